@@ -1,0 +1,5 @@
+import sys
+
+from sglang_dsv4.cli import main
+
+sys.exit(main())
