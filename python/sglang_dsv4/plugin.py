@@ -187,7 +187,11 @@ def load() -> None:
     failed = [(fid, st.reason) for fid, st in STATE.items() if st.status == FAILED]
     if failed:
         fid, reason = failed[0]
-        more = f" (and {len(failed) - 1} more fix(es); see `sglang-dsv4 status`)" if len(failed) > 1 else ""
+        more = (
+            f" (and {len(failed) - 1} more fix(es); see `sglang-dsv4 status`)"
+            if len(failed) > 1
+            else ""
+        )
         raise Refusal(f"fix {fid}: {reason}{more}")
     logger.info(
         "sglang-dsv4: %d fix(es) applied, index-K dtype %s",

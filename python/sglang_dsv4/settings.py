@@ -11,7 +11,10 @@ import functools
 import os
 from dataclasses import dataclass
 
-from sglang_dsv4.fixes.index_k_bf16 import INDEX_K_DTYPE_ENV, INDEX_K_DTYPES, parse_dsv4_index_k_dtype
+from sglang_dsv4.fixes.index_k_bf16 import (
+    INDEX_K_DTYPE_ENV,
+    parse_dsv4_index_k_dtype,
+)
 
 ALLOW_UNPINNED_ENV = "SGLANG_DSV4_ALLOW_UNPINNED"
 SKIP_FIXES_ENV = "SGLANG_DSV4_SKIP_FIXES"

@@ -1,0 +1,226 @@
+"""The plugin in real processes: discovery by upstream's loader, loud refusals, status.
+
+Each case runs in a fresh interpreter, because upstream's loader and HookRegistry are process-wide
+and run once. Where a case needs a condition this machine cannot have (another installed sglang
+version), the subprocess replaces only the version lookup and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from sglang_dsv4 import UPSTREAM_PIN
+from sglang_dsv4.fixes import FIXES
+
+PY = sys.executable
+REFUSAL = "sglang-dsv4: refusing to run: "
+
+
+def run_py(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [PY, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_upstream_loader_discovers_plugin_and_patches_every_target():
+    proc = run_py(
+        """
+        import json, sys
+        from importlib.metadata import entry_points
+        eps = [ep.value for ep in entry_points(group="sglang.srt.plugins") if ep.name == "dsv4_sm120"]
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang_dsv4 import plugin
+        from sglang_dsv4.fixes import FIXES
+        stale = []
+        for fix in FIXES:
+            for rep in fix.replaces:
+                _, _, current = plugin.resolve(rep.target)
+                original = getattr(current, "__wrapped__", None)
+                # No module may keep a `from X import Y` binding of the original.
+                for name, mod in list(sys.modules.items()):
+                    for attr, value in list(getattr(mod, "__dict__", {}).items()):
+                        if original is not None and value is original:
+                            stale.append(f"{name}.{attr}")
+        print(json.dumps({
+            "eps": eps,
+            "state": {k: v.status for k, v in plugin.STATE.items()},
+            "verify": {f.id: plugin.verify(f) for f in FIXES if f.implemented},
+            "stale": stale,
+        }))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(last_line(proc.stdout))
+    assert out["eps"] == ["sglang_dsv4.plugin:load"]
+    assert set(out["state"]) == {f.id for f in FIXES}
+    for fix in FIXES:
+        expected = "applied" if fix.implemented else "declared, not implemented"
+        assert out["state"][fix.id] == expected, (fix.id, out["state"][fix.id])
+    assert all(reason is None for reason in out["verify"].values()), out["verify"]
+    assert out["stale"] == []
+
+
+BROKEN_TARGET_LAUNCH = """
+    import runpy, sys
+    import sglang_dsv4.fixes as fixes
+    from sglang_dsv4.register import Fix, Replace
+    {prepare}
+    sys.argv = ["sglang.launch_server", "--model-path", "/nonexistent-model"]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    print("SERVER START WAS NOT STOPPED")
+"""
+
+
+def test_fix_written_for_another_signature_stops_launch_server():
+    # A fix whose target is a real upstream function, written for a different parameter list:
+    # exactly what a bumped upstream looks like to an unchanged fix.
+    prepare = """
+    def get_dsv4_indexer_bytes_per_token(index_head_dim):
+        return 0
+    broken = Fix(
+        id="deliberately-broken", title="t", area="test", why="w", how="h",
+        upstream="not upstream", remove_when="never",
+        targets=("sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token",),
+        replaces=(Replace(
+            "sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token",
+            get_dsv4_indexer_bytes_per_token, "(index_head_dim)"),),
+    )
+    fixes.FIXES = fixes.FIXES + (broken,)
+    """
+    proc = run_py(
+        BROKEN_TARGET_LAUNCH.format(prepare=textwrap.indent(textwrap.dedent(prepare), "    "))
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "SERVER START WAS NOT STOPPED" not in proc.stdout
+    line = last_line(proc.stderr)
+    assert line.startswith(REFUSAL + "fix deliberately-broken: target "), line
+    assert (
+        "get_dsv4_indexer_bytes_per_token: signature is (index_head_dim, use_fp4_indexer)" in line
+    )
+    assert "written for (index_head_dim)" in line
+
+
+@pytest.mark.parametrize("fix", [f for f in FIXES if f.replaces], ids=lambda f: f.id)
+def test_real_fix_with_moved_target_stops_launch_server(fix):
+    # Upstream "moves": the first target of a real fix gets a different signature before plugins load.
+    target = fix.replaces[0].target
+    prepare = f"""
+    from sglang_dsv4 import plugin
+    owner, name, _ = plugin.resolve({target!r})
+    def moved(self_or_arg, *, renamed_parameter=None):
+        return None
+    setattr(owner, name, moved)
+    """
+    proc = run_py(
+        BROKEN_TARGET_LAUNCH.format(prepare=textwrap.indent(textwrap.dedent(prepare), "    "))
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = last_line(proc.stderr)
+    assert line.startswith(f"{REFUSAL}fix {fix.id}: target {target}: signature is"), line
+
+
+VERSION_CHECK = """
+    # This machine has only the pinned sglang installed; another installed version is simulated
+    # by replacing the plugin's version lookup, nothing else.
+    import sglang_dsv4.plugin as plugin
+    plugin.upstream_version = lambda: "0.5.99"
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    print("PLUGINS LOADED", sorted(s.status for s in plugin.STATE.values()))
+"""
+
+
+def test_other_upstream_version_is_refused_with_one_line():
+    proc = run_py(VERSION_CHECK)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "PLUGINS LOADED" not in proc.stdout
+    assert last_line(proc.stderr) == (
+        f"{REFUSAL}upstream sglang is 0.5.99, the distribution is pinned to {UPSTREAM_PIN} "
+        "(set SGLANG_DSV4_ALLOW_UNPINNED=1 to run anyway)"
+    )
+
+
+def test_allow_unpinned_lets_other_version_through_with_warning():
+    proc = run_py(VERSION_CHECK, env={"SGLANG_DSV4_ALLOW_UNPINNED": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PLUGINS LOADED" in proc.stdout
+    assert f"upstream sglang is 0.5.99, the distribution is pinned to {UPSTREAM_PIN}" in proc.stderr
+    assert "running anyway" in proc.stderr
+
+
+def test_bad_index_k_dtype_stops_launch_server_listing_allowed_values():
+    proc = subprocess.run(
+        [PY, "-m", "sglang.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SGLANG_DSV4_INDEX_K_DTYPE": "int8"},
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "usage:" not in proc.stdout
+    assert last_line(proc.stderr) == (
+        f"{REFUSAL}SGLANG_DSV4_INDEX_K_DTYPE='int8' is not supported; allowed: fp8, bf16, fp4"
+    )
+
+
+def test_launch_server_help_still_works_with_the_distribution_installed():
+    proc = subprocess.run(
+        [PY, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--model-path" in proc.stdout
+
+
+def test_status_json_lists_the_five_changes():
+    proc = subprocess.run(
+        [PY, "-m", "sglang_dsv4", "status", "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    ids = [f["id"] for f in report["fixes"]]
+    assert ids == [
+        "index-k-bf16",
+        "pool-sizing-bf16",
+        "index-k-transfer-gate",
+        "host-mirror-geometry",
+        "nixl-bootstrap-cascade",
+    ]
+    for item in report["fixes"]:
+        assert isinstance(item["applied"], bool)
+        assert item["applied"] == (item["status"] == "applied")
+        assert item["status"] in {"applied", "declared, not implemented"}
+    assert report["upstream"] == {"version": UPSTREAM_PIN, "pin": UPSTREAM_PIN}
+    assert report["plugin_loaded"] is True
+    assert report["index_k_dtype"] in {"fp8", "bf16", "fp4"}
+    assert report["cuda_device"]["name"]  # "none" without a GPU
+
+
+def test_status_strict_fails_when_the_plugin_is_excluded():
+    env = {**os.environ, "SGLANG_PLUGINS": "some_other_plugin"}
+    proc = subprocess.run(
+        [PY, "-m", "sglang_dsv4", "status", "--json", "--strict"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert report["plugin_loaded"] is False
+    assert {f["status"] for f in report["fixes"]} == {"not loaded"}
