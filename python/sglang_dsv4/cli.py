@@ -14,6 +14,8 @@ from sglang_dsv4 import UPSTREAM_PIN, __version__
 # name -> (module, one-line help); the module is imported only when its command runs.
 COMMANDS = {
     "status": ("sglang_dsv4.status", "upstream pin, each fix and whether it is in force"),
+    "export-patches": ("sglang_dsv4.export", "write the carried changes as a git patch series"),
+    "plan": ("sglang_dsv4.plan", "per-rank KV memory plan of a DeepSeek-V4 model (no GPU needed)"),
 }
 
 
