@@ -102,9 +102,7 @@ def getters_not_waiting(pool) -> dict[str, str]:
     problems = {}
     for name, func in layer_memory_getters(type(pool)).items():
         params = list(inspect.signature(func).parameters.values())[2:]
-        missing = [
-            p.name for p in params if p.default is p.empty and p.name not in ARGUMENTS
-        ]
+        missing = [p.name for p in params if p.default is p.empty and p.name not in ARGUMENTS]
         if missing:
             problems[name] = f"takes {missing}, for which this check has no value: add one"
             continue
