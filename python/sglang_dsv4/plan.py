@@ -473,27 +473,35 @@ def _validated(args) -> dict:
     }
 
 
-def _quiet_upstream_logs() -> None:
+@contextlib.contextmanager
+def _upstream_quiet():
+    """Upstream logs its sizing steps and warns at import about GPU-only features; the plan
+    prints the result itself and needs no GPU. Restored afterwards (tests run plans in-process)."""
     import logging
     import warnings
 
-    # Upstream logs its sizing steps and warns at import about GPU-only features; the plan
-    # prints the result itself and needs no GPU.
-    logging.getLogger("sglang").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
+    sglang_logger = logging.getLogger("sglang")
+    level = sglang_logger.level
+    sglang_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
+            yield
+    finally:
+        sglang_logger.setLevel(level)
 
 
 def run(args) -> int:
     try:
         kwargs = _validated(args)
-        _quiet_upstream_logs()
-        from sglang.srt.plugins import load_plugins
+        with _upstream_quiet():
+            from sglang.srt.plugins import load_plugins
 
-        load_plugins()
-        if args.compare:
-            report = compare(**kwargs)
-        else:
-            report = plan(check_index_k_dtype(args.index_k_dtype), **kwargs)
+            load_plugins()
+            if args.compare:
+                report = compare(**kwargs)
+            else:
+                report = plan(check_index_k_dtype(args.index_k_dtype), **kwargs)
     except PlanError as exc:
         print(f"sglang-dsv4 plan: {exc}", file=sys.stderr)
         return 2
