@@ -1,0 +1,354 @@
+"""sgl_kernel_dsv4's bf16 paged MQA logits: the torch path, the Triton kernel and the benchmarks.
+
+The Triton kernel runs on the CPU under TRITON_INTERPRET=1. That variable must be set before the
+kernel is first decorated, and this session has long imported sglang (and Triton) by the time
+tests run, so `test_triton_kernel_under_interpreter` starts a child pytest on this file with the
+variable set; the child alone defines the `interpreted` tests. On a GPU host the `gpu` tests run
+the compiled kernel and CUDA-graph capture (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sgl_kernel_dsv4 import (
+    IndexLogitsInputError,
+    bf16_paged_mqa_logits,
+    bf16_paged_mqa_logits_torch,
+    bf16_paged_mqa_logits_triton,
+    hadamard_rotate,
+)
+from sgl_kernel_dsv4 import index_logits as index_logits_module
+from sgl_kernel_dsv4.index_reference import (
+    index_logits_dense,
+    pack_fp8_index_pages,
+    quantize_index_fp8,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PAGE = 64
+OUTLIER_CHANNELS = [3, 40, 77, 126]
+
+
+def make_case(seq_lens, *, heads=16, max_seq_len=None, table_cols=None, spare_pages=3,
+              outliers=False, hole=None, seed=0):
+    """Inputs as the indexer passes them: keys in a uint8 pool viewed as bf16 pages, pages handed
+    out in shuffled order, -1 past each row's pages. `hole=(row, col)` punches a -1 inside a row."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    needed = [-(-s // PAGE) for s in seq_lens]
+    cols = table_cols or max(1, *needed)
+    num_pages = sum(needed) + spare_pages
+    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    page_table = torch.full((batch, cols), -1, dtype=torch.int32)
+    taken = 0
+    for row, count in enumerate(needed):
+        count = min(count, cols)
+        page_table[row, :count] = order[taken : taken + count]
+        taken += count
+    if hole is not None:
+        page_table[hole] = -1
+    keys = torch.randn(num_pages, PAGE, 128, generator=gen)
+    if outliers:
+        keys[..., OUTLIER_CHANNELS] *= 40.0
+    pool_bytes = torch.zeros(num_pages, PAGE * 256, dtype=torch.uint8)
+    pool_bytes.view(torch.bfloat16).copy_(keys.reshape(num_pages, -1))
+    return dict(
+        q=torch.randn(batch, 1, heads, 128, generator=gen).to(torch.bfloat16),
+        kv_cache=pool_bytes.view(torch.bfloat16).view(num_pages, PAGE, 1, 128),
+        weights=torch.randn(batch, heads, generator=gen),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        page_table=page_table,
+        max_seq_len=max_seq_len if max_seq_len is not None else cols * PAGE,
+    )
+
+
+def reference_logits(case) -> torch.Tensor:
+    """fp64, position by position from the contract in the kernel docstring."""
+    q = case["q"][:, 0].double()
+    keys = case["kv_cache"][:, :, 0].double()
+    table = case["page_table"]
+    batch, width = q.shape[0], case["max_seq_len"]
+    out = torch.full((batch, width), float("-inf"), dtype=torch.float64)
+    for row in range(batch):
+        for t in range(min(int(case["seq_lens"].view(-1)[row]), width)):
+            col = t // PAGE
+            if col >= table.shape[1] or table[row, col] < 0:
+                continue
+            key = keys[int(table[row, col]), t % PAGE]
+            out[row, t] = (case["weights"][row].double() * (q[row] @ key).relu()).sum()
+    return out
+
+
+CASES = {
+    # several rows with lengths 0, 1, 63, 64, 65 and a non-multiple of 64
+    "edge_lengths": dict(seq_lens=[0, 1, 63, 64, 65, 200]),
+    "real_heads": dict(seq_lens=[300, 129], heads=64),
+    "odd_heads": dict(seq_lens=[70, 5, 190], heads=20),
+    "outlier_channels": dict(seq_lens=[256, 100], outliers=True),
+    "narrow_output": dict(seq_lens=[200, 130], max_seq_len=150),
+    "wide_output": dict(seq_lens=[200, 10], max_seq_len=7 * PAGE + 5),
+    "short_table": dict(seq_lens=[300, 64], table_cols=3, max_seq_len=6 * PAGE),
+    "hole_in_table": dict(seq_lens=[250, 190], hole=(0, 1)),
+    "column_seq_lens": dict(seq_lens=[90, 33]),
+}
+
+
+def case_named(name):
+    case = make_case(**CASES[name])
+    if name == "column_seq_lens":
+        case["seq_lens"] = case["seq_lens"].unsqueeze(1)
+    return case
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor):
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), "-inf pattern differs"
+    finite = torch.isfinite(expected)
+    assert torch.isfinite(actual[finite]).all()
+    scale = expected[finite].abs().max().item() if finite.any() else 1.0
+    torch.testing.assert_close(actual[finite].double(), expected[finite], rtol=1e-5, atol=1e-5 * scale)
+
+
+def topk_page_indices(logits, case, topk):
+    """Upstream's own top-k step (torch backend) turns logits into pool slots, as in serving."""
+    from sglang.srt.layers.attention.dsv4.indexer import topk_transform_pytorch_vectorized
+
+    out = torch.empty(logits.shape[0], topk, dtype=torch.int32)
+    topk_transform_pytorch_vectorized(
+        logits.float(), case["seq_lens"].view(-1), case["page_table"], out, PAGE
+    )
+    return out
+
+
+def assert_same_selection(actual, expected, reference, topk):
+    """Equal sets, or any swap is between near-tied keys (in the fp64 reference)."""
+    for row in range(actual.shape[0]):
+        a, e = set(actual[row].tolist()), set(expected[row].tolist())
+        if a == e:
+            continue
+        finite = reference[row][torch.isfinite(reference[row])]
+        kth = finite.topk(min(topk, finite.numel())).values[-1].item()
+        assert abs(kth) < 1e-9 or len(a ^ e) <= 2, f"row {row}: selections differ by {len(a ^ e)}"
+
+
+# --- torch path --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_torch_path_matches_fp64_reference(name):
+    case = case_named(name)
+    assert_matches(bf16_paged_mqa_logits_torch(**case), reference_logits(case))
+
+
+def test_torch_path_in_several_steps(monkeypatch):
+    """A small step budget forces the page loop through several steps, the last one partial."""
+    case = make_case([700, 320, 5], heads=16)
+    monkeypatch.setattr(index_logits_module, "_TORCH_STEP_BYTES", 3 * 64 * (128 + 16) * 4 * 3)
+    assert index_logits_module._pages_per_step(3, 16, 11) == 3
+    assert_matches(bf16_paged_mqa_logits_torch(**case), reference_logits(case))
+
+
+def test_torch_path_top_k_agrees_with_fp64():
+    case = make_case([1000, 700, 40, 513], heads=64, outliers=True, seed=3)
+    reference = reference_logits(case)
+    ours = topk_page_indices(bf16_paged_mqa_logits_torch(**case), case, 64)
+    theirs = topk_page_indices(reference, case, 64)
+    assert_same_selection(ours, theirs, reference, 64)
+    # rows no longer than top-k take every key in order; -1 after them
+    assert ours[2, :40].tolist() == [
+        int(case["page_table"][2, t // PAGE]) * PAGE + t % PAGE for t in range(40)
+    ]
+    assert (ours[2, 40:] == -1).all()
+
+
+def test_torch_path_is_cuda_graph_safe():
+    """On the meta device nothing has a value: any .item(), host sync or data-dependent shape
+    (nonzero, boolean indexing) raises. The output shape follows from the arguments' shapes."""
+    case = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in make_case([300, 5]).items()}
+    out = bf16_paged_mqa_logits_torch(**case)
+    assert out.device.type == "meta" and tuple(out.shape) == (2, case["max_seq_len"])
+
+
+def test_dispatcher_takes_torch_off_cuda(monkeypatch):
+    def no_triton(*args):
+        raise AssertionError("Triton must not be chosen for CPU tensors")
+
+    monkeypatch.setattr(index_logits_module, "bf16_paged_mqa_logits_triton", no_triton)
+    case = make_case([65, 3])
+    assert torch.equal(bf16_paged_mqa_logits(**case), bf16_paged_mqa_logits_torch(**case))
+
+
+def _bad(**changes):
+    case = make_case([65, 3])
+    case.update(changes)
+    return case
+
+
+BAD_INPUTS = {
+    "fp8 query": (_bad(q=torch.zeros(2, 1, 16, 128, dtype=torch.float8_e4m3fn)), "q must be bfloat16"),
+    "next_n 2": (_bad(q=torch.zeros(2, 2, 16, 128, dtype=torch.bfloat16)), "q must be bfloat16"),
+    "fp8 page layout": (_bad(kv_cache=torch.zeros(4, 64, 1, 132, dtype=torch.uint8)), "kv_cache must be"),
+    "bf16 weights": (_bad(weights=torch.zeros(2, 16, dtype=torch.bfloat16)), "weights must be float32"),
+    "int64 seq_lens": (_bad(seq_lens=torch.tensor([65, 3])), "seq_lens must be int32"),
+    "1-D page table": (_bad(page_table=torch.zeros(2, dtype=torch.int32)), "page_table must be int32"),
+    "float max_seq_len": (_bad(max_seq_len=128.0), "max_seq_len must be"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("kernel", [bf16_paged_mqa_logits_torch, bf16_paged_mqa_logits_triton])
+def test_bad_input_is_one_clear_line(name, kernel):
+    case, fragment = BAD_INPUTS[name]
+    with pytest.raises(IndexLogitsInputError) as raised:
+        kernel(**case)
+    message = str(raised.value)
+    assert message.startswith("bf16_paged_mqa_logits: ") and fragment in message
+    assert "\n" not in message
+
+
+# --- references the benchmarks use -------------------------------------------------------
+
+
+def test_hadamard_rotate_is_the_sylvester_rotation():
+    sylvester = torch.ones(1, 1, dtype=torch.float64)
+    while sylvester.shape[0] < 128:
+        sylvester = torch.cat((torch.cat((sylvester, sylvester), 1), torch.cat((sylvester, -sylvester), 1)))
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(hadamard_rotate(x).double(), x.double() @ sylvester / 128**0.5,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_reference_feeds_upstreams_sm120_path():
+    """Keys quantized and packed by the reference, read by upstream's own fp8 sm_120 torch path
+    on the CPU, give the reference's fp8 logits (upstream rounds per-head scores to bf16)."""
+    from sglang.srt.layers.attention.dsv4.indexer import fp8_paged_mqa_logits_torch_sm120
+
+    gen = torch.Generator().manual_seed(2)
+    keys = hadamard_rotate(torch.randn(150, 128, generator=gen))
+    query = hadamard_rotate(torch.randn(2, 64, 128, generator=gen))
+    weights = torch.randn(2, 64, generator=gen)
+    k8, k_scale = quantize_index_fp8(keys)
+    assert torch.equal(k_scale, keys.abs().amax(1).clamp(min=1e-4) / 448)
+    q8, q_scale = quantize_index_fp8(query)
+    pages = pack_fp8_index_pages(k8, k_scale)
+    table = torch.arange(pages.shape[0], dtype=torch.int32).repeat(2, 1)
+    upstream = fp8_paged_mqa_logits_torch_sm120(
+        q8.unsqueeze(1), pages, weights * q_scale, torch.tensor([150, 100], dtype=torch.int32),
+        table, None, 192, False,
+    )
+    ours = index_logits_dense(query, keys, weights, "fp8")
+    scale = ours.abs().max().item()
+    torch.testing.assert_close(upstream[0, :150], ours[0], rtol=0, atol=4e-3 * scale)
+    torch.testing.assert_close(upstream[1, :100], ours[1, :100], rtol=0, atol=4e-3 * scale)
+    assert torch.isneginf(upstream[1, 100:]).all() and torch.isneginf(upstream[0, 150:]).all()
+
+
+def test_recall_benchmark_end_to_end(tmp_path):
+    """The recall benchmark at a tiny size: table, JSON and PNG, and bf16 recovers at least as
+    much of the exact top-k as fp8 on outlier-channel data."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "indexer_recall.py"), "--contexts", "300", "1200",
+         "--queries", "12", "--heads", "16", "--topk", "64", "--outlier-gain", "24",
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recall@64 mean" in proc.stdout
+    assert (tmp_path / "indexer_recall.png").stat().st_size > 10_000
+    report = json.loads((tmp_path / "indexer_recall.json").read_text())
+    rows = {(r["context_keys"], r["dtype"]): r for r in report["results"]}
+    assert set(rows) == {(n, d) for n in (300, 1200) for d in ("fp8", "bf16")}
+    for n in (300, 1200):
+        assert rows[n, "bf16"]["recall_mean"] >= rows[n, "fp8"]["recall_mean"]
+        assert rows[n, "bf16"]["bytes_per_decode_step_per_layer"] == n * 256
+        assert rows[n, "fp8"]["bytes_per_decode_step_per_layer"] == n * 132
+    assert rows[1200, "fp8"]["recall_mean"] < 1.0  # the comparison is not vacuous
+
+
+def test_kernel_benchmark_refuses_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA; the benchmark would run")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "indexer_kernels.py")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
+
+
+# --- Triton kernel under the interpreter (child process) ---------------------------------
+
+if INTERPRETED:
+
+    @pytest.mark.parametrize("name", sorted(CASES))
+    def test_interpreted_triton_matches_torch_and_fp64(name):
+        case = case_named(name)
+        triton_out = bf16_paged_mqa_logits_triton(**case)
+        assert_matches(triton_out, reference_logits(case))
+        assert_matches(triton_out, bf16_paged_mqa_logits_torch(**case).double())
+
+    @pytest.mark.parametrize("pages_per_program", [2, 4])
+    def test_interpreted_several_pages_per_program(pages_per_program):
+        from sgl_kernel_dsv4.index_logits_triton import launch
+
+        case = make_case([400, 65, 0], heads=16)  # 7 pages: the last program is partial
+        out = launch(**case, pages_per_program=pages_per_program)
+        assert_matches(out, reference_logits(case))
+
+    def test_interpreted_top_k_agrees():
+        case = make_case([1000, 700, 40, 513], heads=64, outliers=True, seed=3)
+        reference = reference_logits(case)
+        triton_sel = topk_page_indices(bf16_paged_mqa_logits_triton(**case), case, 64)
+        torch_sel = topk_page_indices(bf16_paged_mqa_logits_torch(**case), case, 64)
+        assert_same_selection(triton_sel, topk_page_indices(reference, case, 64), reference, 64)
+        assert_same_selection(triton_sel, torch_sel, reference, 64)
+
+else:
+
+    def test_triton_kernel_under_interpreter():
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )
+        tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, tail
+        assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+
+
+# --- on a GPU ----------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_triton_matches_torch(name):
+    case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case_named(name).items()}
+    expected = bf16_paged_mqa_logits_torch(**case).double().cpu()
+    assert_matches(bf16_paged_mqa_logits(**case).cpu(), expected)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", [bf16_paged_mqa_logits_torch, bf16_paged_mqa_logits_triton])
+def test_gpu_kernels_replay_in_a_cuda_graph(kernel):
+    case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+            for k, v in make_case([900, 64, 1, 300], heads=64).items()}
+    kernel(**case)  # compile / warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel(**case)
+    case["seq_lens"].copy_(torch.tensor([5, 640, 0, 299], dtype=torch.int32))
+    case["q"].normal_()
+    graph.replay()
+    torch.testing.assert_close(captured, kernel(**case), rtol=1e-5, atol=1e-4)
