@@ -5,6 +5,11 @@ the same objects serve both deliveries: the runtime hooks (`sglang_dsv4.plugin`)
 series upstream can apply (`sglang-dsv4 export-patches`). A replacement is written as it would
 stand in the upstream file: it may only use names that file defines or imports, names the fix
 adds to it, and the imports the fix declares for it.
+
+Code of the distribution's own packages (the kernels in `sgl_kernel_dsv4`) reaches upstream's tree
+through `Fix.new_files`: each listed module is copied into the patch as a new upstream module, and
+imports of it (in `Fix.imports` and in other carried files) are rewritten to that upstream name.
+The fix module imports the kernel from `sgl_kernel_dsv4` as usual; the runtime hook runs that.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class Fix:
     adds: tuple[Add, ...] = ()
     # Import lines the exported patch adds to an upstream module, keyed by module.
     imports: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Modules of the distribution the patch carries into upstream's tree as new files:
+    # upstream module name -> distribution module, e.g.
+    # {"sglang.srt.layers.attention.dsv4.bf16_index_logits": "sgl_kernel_dsv4.logits"}.
+    new_files: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def implemented(self) -> bool:

@@ -1,0 +1,1009 @@
+"""`sglang-dsv4 export-patches`: every carried change as a git patch against the pinned upstream.
+
+The patches are generated from the register alone (`sglang_dsv4.register`), from the very function
+objects the plugin installs, so the two deliveries cannot drift apart:
+
+- `Replace(target, func)`: the source of `func` (`inspect.getsource`, dedented) takes the place of
+  the original definition in upstream's file, renamed to the target's name and indented into its
+  class by libcst. Our decorators are kept; a `staticmethod` / `classmethod` of the original is
+  restored, as upstream's HookRegistry restores it at runtime. Other decorators of the original are
+  dropped (the runtime hook drops them too), with a note on stderr.
+- `Add(owner, func)`: inserted under its own name, at the end of the class body, or at module level
+  after the last top-level statement that binds a name it uses (at the end when none does).
+- `Fix.imports`: the declared import lines go after the module's existing imports.
+- `Fix.new_files`: whole modules of the distribution (the kernels of `sgl_kernel_dsv4`) copied into
+  upstream's tree under the declared upstream module name, so the patched tree is self-contained.
+  Imports of carried modules, in those files and in the declared import lines, are rewritten to
+  their upstream names; importing a distribution module that is not carried is an error.
+
+One source is enforced mechanically. Every global name a written function uses must be bound in the
+patched upstream module (its top-level definitions and imports outside `if TYPE_CHECKING:`, what
+the series adds there, builtins), and the fix module must bind the same object (the function's
+globals at runtime are the fix module's): imported from that upstream module, from a declared
+import, or the added function itself. Zero-argument `super()` and name-mangled `__names` are
+refused in methods, as they behave differently inside and outside a class body.
+
+Formatting: upstream formats with black and isort (profile black, line length 88). Only the blocks
+the series writes are formatted, with `ruff format --range` (black-compatible) in their real
+indentation context, so the rest of the file, formatted or not, never shows in a diff; imports are
+sorted by ruff's isort rules when the file was isort-clean before the change. New files are
+formatted whole.
+
+Patches are `git format-patch` output from a scratch repository holding the pristine files the
+series touches: zero commit id, a fixed author and date, full blob ids, no signature, global git
+configuration ignored, so exporting twice gives identical bytes. The body carries the register's
+Why / How and DEP-3 fields. Without `--upstream-src`, upstream's source is the pinned wheel
+(`pip download --no-deps sglang==PIN`, which holds the Python sources), unpacked once into
+`$XDG_CACHE_HOME/sglang-dsv4/` (default `~/.cache/sglang-dsv4/`) as upstream's repository lays it
+out (`python/sglang/...`).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import importlib.util
+import inspect
+import os
+import shutil
+import subprocess
+import symtable
+import sys
+import tempfile
+import textwrap
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+
+from sglang_dsv4 import UPSTREAM_PIN
+from sglang_dsv4.register import Fix
+
+AUTHOR_NAME = "sglang-dsv4-sm120"
+AUTHOR_EMAIL = "maintainers@sglang-dsv4-sm120.invalid"
+# Fixed so that the same code always exports the same bytes.
+PATCH_DATE = "2026-12-01T00:00:00+00:00"
+LAST_UPDATE = "2026-12-01"
+UPSTREAM_LINE_LENGTH = 88
+# Packages of this distribution: upstream's tree cannot import them, only carry them (new_files).
+DISTRIBUTION_PACKAGES = ("sglang_dsv4", "sgl_kernel_dsv4")
+MODULE_DUNDERS = {"__name__", "__file__", "__doc__", "__spec__", "__package__", "__loader__"}
+
+
+class ExportError(Exception):
+    """The series cannot be exported as asked; the message is one line."""
+
+
+# --- upstream source ----------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "sglang-dsv4"
+
+
+def fetch_pinned_upstream() -> Path:
+    """The `python/` directory of the pinned release, unpacked from its wheel (downloaded once)."""
+    root = cache_root() / f"sglang-{UPSTREAM_PIN}"
+    if (root / "python" / "sglang").is_dir():
+        return root / "python"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--dest", tmp, f"sglang=={UPSTREAM_PIN}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("sglang-*.whl"))
+        if proc.returncode or not wheels:
+            reason = _last_line(proc.stderr or proc.stdout) or "no wheel"
+            raise ExportError(
+                f"cannot download sglang=={UPSTREAM_PIN} with pip ({reason}); "
+                "pass --upstream-src DIR with upstream's source instead"
+            )
+        staging = Path(tmp) / "tree"
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            members = [name for name in wheel.namelist() if name.startswith("sglang/")]
+            wheel.extractall(staging / "python", members)
+        try:
+            staging.rename(root)  # atomic: a present cache is a complete one
+        except OSError:
+            if not (root / "python" / "sglang").is_dir():
+                raise
+    return root / "python"
+
+
+def python_dir_of(src: Path) -> Path:
+    """The directory holding the `sglang` package: `src/python` (a repository) or `src`."""
+    if not src.is_dir():
+        raise ExportError(f"upstream source {src} is not a directory")
+    for candidate in (src / "python", src):
+        if (candidate / "sglang" / "__init__.py").is_file():
+            return candidate
+    raise ExportError(f"{src} holds no upstream sglang source (no python/sglang/ or sglang/ in it)")
+
+
+def tree_version(python_dir: Path) -> str:
+    """The sglang version of a source tree: `_version.py`, else pyproject.toml, else its git tag."""
+    version_file = python_dir / "sglang" / "_version.py"
+    if version_file.is_file():
+        for node in ast.parse(version_file.read_text()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+                if "__version__" in names and isinstance(node.value.value, str):
+                    return node.value.value
+    pyproject = python_dir / "pyproject.toml"
+    if pyproject.is_file() and sys.version_info >= (3, 11):
+        import tomllib
+
+        version = tomllib.loads(pyproject.read_text()).get("project", {}).get("version")
+        if version:
+            return version
+    proc = subprocess.run(
+        ["git", "describe", "--tags", "--exact-match"],
+        cwd=python_dir,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode == 0 and proc.stdout.strip():
+        return proc.stdout.strip().removeprefix("v")
+    raise ExportError(
+        f"cannot tell which sglang version {python_dir} holds "
+        "(no sglang/_version.py, no version in pyproject.toml, no release tag)"
+    )
+
+
+def upstream_python_dir(src: Path | None) -> Path:
+    """The pinned upstream's `python/` directory: `src`, or the pinned wheel when None."""
+    python_dir = fetch_pinned_upstream() if src is None else python_dir_of(src)
+    found = tree_version(python_dir)
+    if found != UPSTREAM_PIN:
+        raise ExportError(
+            f"upstream tree {src or python_dir} is sglang {found}, "
+            f"the distribution is pinned to {UPSTREAM_PIN}"
+        )
+    return python_dir
+
+
+# --- the functions a fix writes -----------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    """One function of a fix, as it will stand in upstream's file."""
+
+    fix: Fix
+    registered: object  # what the register names (a function, or a decorated one)
+    func: Callable  # the plain function inside it: its source and globals
+    node: cst.FunctionDef  # parsed from its source, not yet renamed
+    source: str
+    module: str  # upstream module it goes into
+    class_path: tuple[str, ...]  # enclosing classes there, outermost first
+    name: str  # its name there
+    label: str  # for messages: "fix X: target T (function f)"
+    replaces: bool  # True: takes the place of upstream's definition; False: added
+
+    @property
+    def in_class(self) -> bool:
+        return bool(self.class_path)
+
+
+def _read_function(func, fix: Fix, target: str) -> tuple[Callable, cst.FunctionDef, str]:
+    # the function under staticmethod / classmethod and functools.wraps-style decorators
+    # (lru_cache, ...); its source carries those decorators
+    plain = inspect.unwrap(func.__func__ if isinstance(func, (staticmethod, classmethod)) else func)
+    where = f"fix {fix.id}: target {target}"
+    if not inspect.isfunction(plain):
+        raise ExportError(f"{where}: {func!r} is not a Python function")
+    try:
+        source = textwrap.dedent(inspect.getsource(plain))
+    except (OSError, TypeError) as exc:
+        raise ExportError(
+            f"{where}: cannot read the source of {plain.__qualname__} ({exc})"
+        ) from None
+    body = cst.parse_module(source).body
+    if len(body) != 1 or not isinstance(body[0], cst.FunctionDef):
+        raise ExportError(f"{where}: {plain.__qualname__} is not a plain `def` (a lambda?)")
+    return plain, body[0], source
+
+
+def _check_class_safe(written: Written) -> None:
+    """Refuse what behaves differently inside a class body (patch) and outside it (hook)."""
+    for node in ast.walk(ast.parse(written.source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "super" and not node.args:
+                raise ExportError(
+                    f"{written.label}: zero-argument super() only works inside a class body; "
+                    "write super(Class, self)"
+                )
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if isinstance(name, str) and name.startswith("__") and not name.endswith("__"):
+            raise ExportError(
+                f"{written.label}: {name} is name-mangled inside a class body but not in the "
+                "runtime hook; use a single underscore"
+            )
+
+
+# --- names --------------------------------------------------------------------------------------
+
+
+def used_globals(source: str, name: str, future_annotations: bool) -> tuple[set[str], set[str]]:
+    """Global names the def `name` in `source` uses: (when the def statement runs: decorators,
+    defaults, annotations unless postponed; when the function runs)."""
+    prefix = "from __future__ import annotations\n" if future_annotations else ""
+    top = symtable.symtable(prefix + source, "<written>", "exec")
+    at_def = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
+    at_call: set[str] = set()
+    for child in top.get_children():
+        # lambdas and comprehensions beside the def's own scope sit in its defaults: def time
+        _globals_of(child, at_call if child.get_name() == name else at_def)
+    return at_def - {"annotations"}, at_call
+
+
+def _globals_of(table: symtable.SymbolTable, out: set[str]) -> None:
+    for sym in table.get_symbols():
+        if sym.is_global() and sym.is_referenced():
+            out.add(sym.get_name())
+    for child in table.get_children():
+        _globals_of(child, out)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def bound_names(statements: Iterable[ast.stmt]) -> set[str]:
+    """Names a block of statements binds at runtime (`if TYPE_CHECKING:` bodies excluded)."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            names |= bound_names(node.orelse)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    names |= bound_names([child])
+                elif isinstance(child, ast.excepthandler):
+                    names |= ({child.name} if child.name else set()) | bound_names(child.body)
+                else:
+                    names |= _stored_names(child)
+    return names
+
+
+def _stored_names(node: ast.AST) -> set[str]:
+    if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        return set()
+    found = {node.id} if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) else set()
+    for child in ast.iter_child_nodes(node):
+        found |= _stored_names(child)
+    return found
+
+
+def _has_future_annotations(module: cst.Module) -> bool:
+    return any(
+        isinstance(small, cst.ImportFrom)
+        and isinstance(small.module, cst.Name)
+        and small.module.value == "__future__"
+        and not isinstance(small.names, cst.ImportStar)
+        and any(alias.name.value == "annotations" for alias in small.names)
+        for statement in module.body
+        if _only_imports(statement)
+        for small in statement.body
+    )
+
+
+def _find_ast_def(module: ast.Module, class_path: Sequence[str], name: str):
+    statements = module.body
+    cls = None
+    for class_name in class_path:
+        cls = next(n for n in statements if isinstance(n, ast.ClassDef) and n.name == class_name)
+        statements = cls.body
+    node = next(
+        n
+        for n in statements
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+    )
+    return cls, node
+
+
+# --- the tree being patched ---------------------------------------------------------------------
+
+
+@dataclass
+class Tree:
+    """Upstream's files as the series so far leaves them (repository paths, `python/...`)."""
+
+    python_dir: Path
+    texts: dict[str, str] = field(default_factory=dict)
+    # (module, name) -> object, for the names the series so far binds in upstream modules (added
+    # functions, declared imports): what the fix module must bind to the same object
+    bindings: dict[tuple[str, str], object] = field(default_factory=dict)
+    # carried distribution module -> its upstream module name (Fix.new_files, inverted)
+    carried: dict[str, str] = field(default_factory=dict)
+
+    def module_file(self, module: str) -> str | None:
+        rel = module.replace(".", "/")
+        for path in (f"python/{rel}.py", f"python/{rel}/__init__.py"):
+            if path in self.texts or (self.python_dir / path.removeprefix("python/")).is_file():
+                return path
+        return None
+
+    def text(self, path: str) -> str:
+        if path not in self.texts:
+            self.texts[path] = (self.python_dir / path.removeprefix("python/")).read_text()
+        return self.texts[path]
+
+    def split(self, dotted: str, where: str) -> tuple[str, str, tuple[str, ...]]:
+        """(module, repository path, names inside it) for a dotted upstream path."""
+        parts = dotted.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:cut])
+            path = self.module_file(module)
+            if path:
+                return module, path, tuple(parts[cut:])
+        raise ExportError(f"{where}: no module of it exists in the upstream tree {self.python_dir}")
+
+
+# --- editing one module with libcst -------------------------------------------------------------
+
+
+def _blank() -> cst.EmptyLine:
+    return cst.EmptyLine(indent=False)
+
+
+def _def_index(statements: Sequence[cst.BaseStatement], kind, name: str, where: str, path: str):
+    found = [i for i, s in enumerate(statements) if isinstance(s, kind) and s.name.value == name]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ExportError(f"{where}: {name} is defined {len(found)} times in {path}")
+    return found[0]
+
+
+def _in_class(statements, class_path, edit, where: str, path: str) -> list:
+    """Apply `edit` to the statement list of the class at `class_path` (the module when empty)."""
+    statements = list(statements)
+    if not class_path:
+        return edit(statements)
+    index = _def_index(statements, cst.ClassDef, class_path[0], where, path)
+    if index is None:
+        raise ExportError(f"{where}: class {class_path[0]} not found in {path}")
+    cls = statements[index]
+    if not isinstance(cls.body, cst.IndentedBlock):
+        raise ExportError(f"{where}: class {class_path[0]} in {path} has a one-line body")
+    inner = _in_class(cls.body.body, class_path[1:], edit, where, path)
+    statements[index] = cls.with_changes(body=cls.body.with_changes(body=inner))
+    return statements
+
+
+def _decorator_name(decorator: cst.Decorator) -> str:
+    return cst.Module(body=[]).code_for_node(decorator.decorator)
+
+
+def _replacement(written: Written, original: cst.FunctionDef, path: str) -> cst.FunctionDef:
+    kinds = {"staticmethod", "classmethod"}
+    ours = [_decorator_name(d) for d in written.node.decorators]
+    theirs = [_decorator_name(d) for d in original.decorators]
+    if kinds & set(ours):
+        raise ExportError(
+            f"{written.label}: decorate the replacement as a plain function; the original's "
+            "staticmethod / classmethod is restored from upstream"
+        )
+    decorators = list(written.node.decorators)
+    for name in theirs:
+        if name.endswith(("property", ".setter", ".getter", ".deleter")):
+            raise ExportError(f"{written.label}: the original in {path} is a property (@{name})")
+        if name in kinds:
+            decorators.insert(0, cst.Decorator(decorator=cst.Name(name)))
+        elif name not in ours:
+            print(
+                f"sglang-dsv4 export-patches: note: {written.label}: upstream's @{name} is "
+                "dropped, as the runtime hook drops it",
+                file=sys.stderr,
+            )
+    return written.node.with_changes(
+        name=cst.Name(written.name), decorators=decorators, leading_lines=original.leading_lines
+    )
+
+
+def _statement_binds(statement: cst.BaseStatement) -> set[str]:
+    if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+        return {statement.name.value}  # the common case, without generating its code
+    if isinstance(statement, cst.SimpleStatementLine):
+        code = "\n".join(cst.Module(body=[]).code_for_node(small) for small in statement.body)
+    else:
+        code = cst.Module(body=[statement]).code
+    return bound_names(ast.parse(code).body)
+
+
+def _insert_module_level(statements: list, written: Written, needs: set[str]) -> list:
+    """After the last top-level statement binding a name the function uses, else at the end."""
+    depends = [
+        i for i, s in enumerate(statements) if not _only_imports(s) and _statement_binds(s) & needs
+    ]
+    if depends:
+        position = depends[-1] + 1
+    else:
+        position = len(statements) - (bool(statements) and _is_main_guard(statements[-1]))
+    node = written.node.with_changes(leading_lines=[_blank(), _blank()])
+    statements.insert(position, node)
+    if position + 1 < len(statements):
+        following = statements[position + 1]
+        lines = list(following.leading_lines)
+        blanks = 0
+        while blanks < len(lines) and lines[blanks].comment is None:
+            blanks += 1
+        if blanks < 2:
+            lines = [_blank()] * (2 - blanks) + lines
+        statements[position + 1] = following.with_changes(leading_lines=lines)
+    return statements
+
+
+def _is_main_guard(statement: cst.BaseStatement) -> bool:
+    return isinstance(statement, cst.If) and "__main__" in cst.Module(body=[]).code_for_node(
+        statement.test
+    )
+
+
+def _only_imports(statement: cst.BaseStatement) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and all(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in statement.body
+    )
+
+
+def _insert_imports(statements: list, lines: Sequence[cst.SimpleStatementLine]) -> list:
+    """After the last import of the module's leading block, skipping those already there."""
+    have = {cst.Module(body=[s]).code.strip() for s in statements if _only_imports(s)}
+    position = 0
+    for i, statement in enumerate(statements):
+        if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if _only_imports(statement) or (i == 0 and _is_docstring(statement)):
+            position = i + 1
+    for line in lines:
+        code = cst.Module(body=[line]).code.strip()
+        if code not in have:
+            statements.insert(position, line.with_changes(leading_lines=[]))
+            have.add(code)
+            position += 1
+    return statements
+
+
+def _is_docstring(statement: cst.BaseStatement) -> bool:
+    return (
+        isinstance(statement, cst.SimpleStatementLine)
+        and isinstance(statement.body[0], cst.Expr)
+        and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+# --- formatting with ruff -----------------------------------------------------------------------
+
+
+def _ruff(args: list[str], text: str, cwd: Path) -> str:
+    cmd = [sys.executable, "-m", "ruff", *args, "--isolated", "--stdin-filename", "patched.py", "-"]
+    try:
+        proc = subprocess.run(cmd, input=text, capture_output=True, text=True, cwd=cwd)
+    except OSError as exc:
+        raise ExportError(f"cannot run ruff ({exc})") from None
+    if proc.returncode:
+        raise ExportError(f"ruff {args[0]} failed: {_last_line(proc.stderr)}")
+    return proc.stdout
+
+
+def format_blocks(text: str, defs: Iterable[tuple[Sequence[str], str]], cwd: Path) -> str:
+    """Format the defs (class path, name) of `text` in place, as upstream's black would, and
+    nothing else (ruff format --range, bottom-up so that earlier line numbers hold)."""
+    module = ast.parse(text)
+    spans = []
+    for class_path, name in defs:
+        _, node = _find_ast_def(module, class_path, name)
+        spans.append(
+            (min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno)
+        )
+    for first, last in sorted(set(spans), reverse=True):
+        args = [
+            "format",
+            f"--line-length={UPSTREAM_LINE_LENGTH}",
+            f"--range={first}:1-{last + 1}:1",
+        ]
+        text = _ruff(args, text, cwd)
+    return text
+
+
+def format_written(before: str, text: str, defs: Iterable[tuple[Sequence[str], str]], cwd: Path):
+    """`text` (= `before` + the written defs) formatted where the series wrote it: the whole file
+    in one pass when `before` was formatted already (nothing else can change), else def by def."""
+    whole = ["format", f"--line-length={UPSTREAM_LINE_LENGTH}"]
+    if _ruff(whole, before, cwd) == before:
+        return _ruff(whole, text, cwd)
+    return format_blocks(text, defs, cwd)
+
+
+def sort_imports(text: str, cwd: Path) -> str:
+    args = [
+        "check",
+        "--select=I",
+        "--fix-only",
+        "--exit-zero",
+        f"--line-length={UPSTREAM_LINE_LENGTH}",
+    ]
+    return _ruff(args + ["--config=lint.isort.known-first-party=['sglang']"], text, cwd)
+
+
+def format_file(text: str, cwd: Path) -> str:
+    return sort_imports(_ruff(["format", f"--line-length={UPSTREAM_LINE_LENGTH}"], text, cwd), cwd)
+
+
+# --- carried distribution modules ---------------------------------------------------------------
+
+
+class _CarriedImports(cst.CSTTransformer):
+    """Rewrites imports of carried distribution modules to their upstream names."""
+
+    def __init__(self, carried: dict[str, str], package: str | None, where: str):
+        self.carried, self.package, self.where = carried, package, where
+
+    def _upstream_name(self, module: str) -> str:
+        if module in self.carried:
+            return self.carried[module]
+        if module.split(".")[0] in DISTRIBUTION_PACKAGES:
+            raise ExportError(
+                f"{self.where}: imports {module}, which upstream's tree lacks; "
+                "carry it with Fix.new_files"
+            )
+        return module
+
+    def leave_ImportFrom(self, original, updated):
+        dots = len(updated.relative)
+        name = cst.Module(body=[]).code_for_node(updated.module) if updated.module else ""
+        if dots:
+            if not self.package:
+                raise ExportError(f"{self.where}: relative import outside a carried module")
+            name = importlib.util.resolve_name("." * dots + name, self.package)
+        new = self._upstream_name(name)
+        if new == name and not dots:
+            return updated
+        return updated.with_changes(relative=[], module=cst.parse_expression(new))
+
+    def leave_Import(self, original, updated):
+        names = []
+        for alias in updated.names:
+            name = cst.Module(body=[]).code_for_node(alias.name)
+            new = self._upstream_name(name)
+            if new != name and alias.asname is None:
+                raise ExportError(f"{self.where}: write `import {name} as ...` to carry it")
+            names.append(alias.with_changes(name=cst.parse_expression(new)))
+        return updated.with_changes(names=names)
+
+
+def _rewrite_imports(code: str, carried: dict[str, str], package: str | None, where: str) -> str:
+    return cst.parse_module(code).visit(_CarriedImports(carried, package, where)).code
+
+
+def _carry_new_files(fix: Fix, tree: Tree, pristine: Path) -> list[str]:
+    written = []
+    for module, source_module in fix.new_files.items():
+        tree.carried[source_module] = module
+    for module, source_module in fix.new_files.items():
+        where = f"fix {fix.id}: new file {module}"
+        path = "python/" + module.replace(".", "/") + ".py"
+        if not module.startswith("sglang."):
+            raise ExportError(f"{where}: new files go under sglang.")
+        if (pristine / path.removeprefix("python/")).exists():
+            raise ExportError(f"{where}: upstream already has {path}")
+        if not (pristine / path.removeprefix("python/")).parent.is_dir():
+            raise ExportError(f"{where}: upstream has no package for {path}")
+        spec = importlib.util.find_spec(source_module)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise ExportError(
+                f"{where}: {source_module} is not a Python module of the distribution"
+            )
+        package = (
+            source_module if spec.submodule_search_locations else source_module.rpartition(".")[0]
+        )
+        code = _rewrite_imports(Path(spec.origin).read_text(), tree.carried, package, where)
+        tree.texts[path] = format_file(code, pristine)
+        written.append(path)
+    return written
+
+
+# --- one fix ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    fix: Fix
+    patch: str | None = None  # file name in the series
+    note: str = ""
+
+
+def _written_functions(fix: Fix, tree: Tree) -> list[Written]:
+    result = []
+    for rep in fix.replaces:
+        where = f"fix {fix.id}: target {rep.target}"
+        module, _, names = tree.split(rep.target, where)
+        func, node, source = _read_function(rep.func, fix, rep.target)
+        label = f"{where} (function {func.__name__})"
+        result.append(
+            Written(fix, rep.func, func, node, source, module, names[:-1], names[-1], label, True)
+        )
+    for add in fix.adds:
+        where = f"fix {fix.id}: target {add.target}"
+        module, _, names = tree.split(add.target, where)
+        func, node, source = _read_function(add.func, fix, add.target)
+        label = f"{where} (function {func.__name__})"
+        result.append(
+            Written(fix, add.func, func, node, source, module, names[:-1], names[-1], label, False)
+        )
+    return result
+
+
+def _import_statements(fix: Fix, module: str, tree: Tree) -> list[cst.SimpleStatementLine]:
+    statements = []
+    for line in fix.imports[module]:
+        where = f"fix {fix.id}: import {line!r} for {module}"
+        try:
+            statement = cst.parse_statement(line)
+        except cst.ParserSyntaxError:
+            raise ExportError(f"{where}: not one Python import statement") from None
+        if not _only_imports(statement) or len(statement.body) != 1:
+            raise ExportError(f"{where}: not one Python import statement")
+        rewritten = _rewrite_imports(cst.Module(body=[statement]).code, tree.carried, None, where)
+        statements.append(cst.parse_statement(rewritten))
+    return statements
+
+
+def apply_fix(fix: Fix, tree: Tree) -> list[str]:
+    """Write `fix` into `tree`; returns the repository paths it changed."""
+    pristine = tree.python_dir
+    touched = _carry_new_files(fix, tree, pristine)
+    written = _written_functions(fix, tree)
+    modules = list(dict.fromkeys([w.module for w in written] + list(fix.imports)))
+    for module in modules:
+        path = tree.module_file(module)
+        if path is None:
+            raise ExportError(
+                f"fix {fix.id}: module {module} is not in the upstream tree {pristine}"
+            )
+        before = tree.text(path)
+        parsed = cst.parse_module(before)
+        statements = list(parsed.body)
+        if module in fix.imports:
+            statements = _insert_imports(statements, _import_statements(fix, module, tree))
+            for name, value in _declared_bindings(fix, module, tree).items():
+                tree.bindings[(module, name)] = value
+        future = _has_future_annotations(parsed)
+        ours = [w for w in written if w.module == module]
+        for w in ours:
+            if w.in_class:
+                _check_class_safe(w)
+            statements = _in_class(
+                statements, w.class_path, _writer(w, path, future), w.label, path
+            )
+            if not w.replaces and not w.in_class:
+                tree.bindings[(module, w.name)] = w.registered
+        text = parsed.with_changes(body=statements).code
+        text = format_written(before, text, [(w.class_path, w.name) for w in ours], pristine)
+        if module in fix.imports and sort_imports(before, pristine) == before:
+            text = sort_imports(text, pristine)
+        patched = ast.parse(text)
+        for w in ours:
+            check_names(w, patched, future, tree)
+        if text != before:
+            tree.texts[path] = text
+            touched.append(path)
+    return touched
+
+
+def _writer(w: Written, path: str, future: bool) -> Callable[[list], list]:
+    """The edit of a statement list (module or class body) that writes `w` into it."""
+
+    def edit(body: list) -> list:
+        index = _def_index(body, (cst.FunctionDef, cst.ClassDef), w.name, w.label, path)
+        if w.replaces:
+            if index is None or not isinstance(body[index], cst.FunctionDef):
+                raise ExportError(f"{w.label}: not found in {path}")
+            body[index] = _replacement(w, body[index], path)
+            return body
+        if index is not None:
+            raise ExportError(f"{w.label}: {path} already defines {w.name}; is the fix upstream?")
+        if w.in_class:
+            return body + [w.node.with_changes(leading_lines=[_blank()])]
+        at_def, at_call = used_globals(w.source, w.func.__name__, future)
+        return _insert_module_level(body, w, at_def | at_call)
+
+    return edit
+
+
+def check_names(w: Written, patched: ast.Module, future: bool, tree: Tree) -> None:
+    """Every global `w` uses resolves in the patched module, and to the object the fix module
+    binds at runtime (where the hook runs the same function)."""
+    at_def, at_call = used_globals(w.source, w.func.__name__, future)
+    module_names = bound_names(patched.body) | MODULE_DUNDERS
+    class_names: set[str] = set()
+    if w.in_class:
+        cls, _ = _find_ast_def(patched, w.class_path, w.name)
+        class_names = bound_names(cls.body)
+    for name in sorted(at_def | at_call):
+        visible = module_names | (class_names if name in at_def else set())
+        if name not in visible and not hasattr(builtins, name):
+            raise ExportError(
+                f"{w.label}: name {name} does not resolve in {w.module} after the patch "
+                "(not defined or imported there, not added by the series, not a builtin)"
+            )
+    runtime = w.func.__globals__
+    upstream = importlib.import_module(w.module)
+    for name in sorted(at_call | (at_def - class_names) - MODULE_DUNDERS):
+        if (w.module, name) in tree.bindings:
+            expected = tree.bindings[(w.module, name)]
+        elif name in module_names and hasattr(upstream, name):
+            expected = getattr(upstream, name)
+        elif name in module_names:
+            raise ExportError(
+                f"{w.label}: name {name} is bound in {w.module}'s source but not on the "
+                "imported module; cannot check that hook and patch agree on it"
+            )
+        else:
+            expected = getattr(builtins, name)
+        actual = runtime.get(name, getattr(builtins, name, None))
+        if name not in runtime and not hasattr(builtins, name):
+            raise ExportError(
+                f"{w.label}: name {name} is not bound in {w.func.__module__}, "
+                "so the runtime hook would raise NameError; import it there"
+            )
+        if _plain(actual) is not _plain(expected):
+            raise ExportError(
+                f"{w.label}: name {name} is a different object in {w.func.__module__} than in "
+                f"{w.module} after the patch; import it from there (one source for hook and patch)"
+            )
+
+
+def _plain(obj):
+    return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+
+
+def _declared_bindings(fix: Fix, module: str, tree: Tree) -> dict[str, object]:
+    """The objects the fix's declared import lines for `module` bind, as written (before any
+    carried-module rewrite); names the series adds to a module come from the series."""
+    bound: dict[str, object] = {}
+    for line in fix.imports.get(module, ()):
+        where = f"fix {fix.id}: import {line!r} for {module}"
+        statement = ast.parse(line).body[0]
+        try:
+            if isinstance(statement, ast.Import):
+                for alias in statement.names:
+                    if alias.asname:
+                        bound[alias.asname] = importlib.import_module(alias.name)
+                    else:
+                        top = alias.name.split(".")[0]
+                        importlib.import_module(alias.name)
+                        bound[top] = importlib.import_module(top)
+                continue
+            if statement.level:
+                raise ExportError(f"{where}: write it as an absolute import")
+            source = importlib.import_module(statement.module)
+            for alias in statement.names:
+                key = (statement.module, alias.name)
+                if key in tree.bindings:
+                    value = tree.bindings[key]
+                elif hasattr(source, alias.name):
+                    value = getattr(source, alias.name)
+                else:
+                    value = importlib.import_module(f"{statement.module}.{alias.name}")
+                bound[alias.asname or alias.name] = value
+        except ImportError as exc:
+            raise ExportError(f"{where}: {exc}") from None
+    return bound
+
+
+# --- git ----------------------------------------------------------------------------------------
+
+
+def _git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_AUTHOR_NAME=AUTHOR_NAME,
+        GIT_AUTHOR_EMAIL=AUTHOR_EMAIL,
+        GIT_AUTHOR_DATE=PATCH_DATE,
+        GIT_COMMITTER_NAME=AUTHOR_NAME,
+        GIT_COMMITTER_EMAIL=AUTHOR_EMAIL,
+        GIT_COMMITTER_DATE=PATCH_DATE,
+        TZ="UTC",
+        LC_ALL="C",
+    )
+    return env
+
+
+def git(args: list[str], cwd: Path) -> str:
+    try:
+        proc = subprocess.run(
+            ["git", *args], cwd=cwd, env=_git_env(), capture_output=True, text=True
+        )
+    except OSError as exc:
+        raise ExportError(f"cannot run git ({exc})") from None
+    if proc.returncode:
+        raise ExportError(
+            f"git {args[0]} failed in {cwd}: {_last_line(proc.stderr or proc.stdout)}"
+        )
+    return proc.stdout
+
+
+def _init_repo(root: Path) -> None:
+    git(["init", "--quiet", "--initial-branch=main"], root)
+    git(["add", "--all"], root)
+    git(["commit", "--quiet", "--allow-empty", "--message=upstream sglang " + UPSTREAM_PIN], root)
+
+
+def commit_message(fix: Fix) -> str:
+    """Subject `<area>: <title>`, Why / How, then DEP-3 fields."""
+
+    def wrap(name: str, value: str, indent: str) -> str:
+        return textwrap.fill(
+            f"{name}: {value}", 72, subsequent_indent=indent, break_on_hyphens=False
+        )
+
+    upstream = fix.upstream.strip()
+    forwarded = (
+        upstream.removeprefix("forwarded:").strip() if upstream.startswith("forwarded:") else "no"
+    )
+    applied = "no" if upstream == "not upstream" or upstream.startswith("forwarded:") else upstream
+    fields = [
+        wrap("Origin", f"vendor, {AUTHOR_NAME}, fix {fix.id}", " "),
+        wrap("Forwarded", forwarded, " "),
+        wrap("Applied-Upstream", applied, " "),
+        wrap("Remove-When", fix.remove_when, " "),
+        wrap("Last-Update", LAST_UPDATE, " "),
+    ]
+    parts = [f"{fix.area}: {fix.title}", wrap("Why", fix.why, ""), wrap("How", fix.how, "")]
+    return "\n\n".join(parts + ["\n".join(fields)]) + "\n"
+
+
+def _summary(fix: Fix) -> str:
+    parts = [
+        f"{len(fix.replaces)} replaced" if fix.replaces else "",
+        f"{len(fix.adds)} added" if fix.adds else "",
+        f"{sum(map(len, fix.imports.values()))} import(s)" if fix.imports else "",
+        f"{len(fix.new_files)} new file(s)" if fix.new_files else "",
+    ]
+    return ", ".join(p for p in parts if p)
+
+
+def export_series(fixes: Sequence[Fix], python_dir: Path, out: Path) -> list[Outcome]:
+    """Write one patch per carried change of `fixes` (register order) and `series` into `out`."""
+    tree = Tree(python_dir)
+    outcomes, snapshots = [], []
+    for fix in fixes:
+        if fix.upstream.strip().startswith("upstream since"):
+            outcomes.append(Outcome(fix, note=f"{fix.upstream}: already upstream, no patch"))
+        elif not fix.implemented:
+            outcomes.append(Outcome(fix, note="declared, not implemented: no patch"))
+        elif not apply_fix(fix, tree):
+            outcomes.append(
+                Outcome(fix, note="its functions equal upstream's at the pin: no patch")
+            )
+        else:
+            outcomes.append(Outcome(fix, note=_summary(fix)))
+            snapshots.append((fix, outcomes[-1], dict(tree.texts)))
+    with tempfile.TemporaryDirectory(prefix="sglang-dsv4-export-") as tmp:
+        repo = Path(tmp) / "upstream"
+        repo.mkdir()
+        for path in tree.texts:
+            source = python_dir / path.removeprefix("python/")
+            if source.is_file():
+                (repo / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, repo / path)
+        _init_repo(repo)
+        for fix, _, texts in snapshots:
+            for path, text in texts.items():
+                (repo / path).parent.mkdir(parents=True, exist_ok=True)
+                (repo / path).write_text(text)
+            message = Path(tmp) / "message"
+            message.write_text(commit_message(fix))
+            git(["add", "--all"], repo)
+            git(["commit", "--quiet", "--cleanup=whitespace", f"--file={message}"], repo)
+        patches = Path(tmp) / "patches"
+        names: list[str] = []
+        if snapshots:
+            git(
+                [
+                    "format-patch",
+                    "--quiet",
+                    "--zero-commit",
+                    "--no-signature",
+                    "--full-index",
+                    "--numbered",
+                    "--no-renames",
+                    f"--output-directory={patches}",
+                    f"HEAD~{len(snapshots)}",
+                ],
+                repo,
+            )
+            names = sorted(p.name for p in patches.glob("*.patch"))
+        if len(names) != len(snapshots):
+            raise ExportError(
+                f"git format-patch wrote {len(names)} patches for {len(snapshots)} changes"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("[0-9][0-9][0-9][0-9]-*.patch"), out / "series"]:
+            stale.unlink(missing_ok=True)
+        for name, (_, outcome, _) in zip(names, snapshots, strict=True):
+            shutil.copyfile(patches / name, out / name)
+            outcome.patch = name
+        (out / "series").write_text("".join(f"{name}\n" for name in names))
+    return outcomes
+
+
+def apply_series(out: Path, python_dir: Path, dest: Path) -> list[str]:
+    """Lay the pristine upstream tree out in `dest` as a git repository and `git am` the series."""
+    if dest.exists() and any(dest.iterdir()):
+        raise ExportError(f"{dest} is not empty; the pristine tree goes into a fresh directory")
+    names = (out / "series").read_text().split()
+    shutil.copytree(
+        python_dir / "sglang",
+        dest / "python" / "sglang",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    _init_repo(dest)
+    if names:
+        git(["am", "--quiet", *[str((out / name).resolve()) for name in names]], dest)
+    return names
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--out", type=Path, required=True, help="directory for the patches and series"
+    )
+    parser.add_argument(
+        "--upstream-src",
+        type=Path,
+        help=f"upstream sglang {UPSTREAM_PIN} source (repository root or its python/); "
+        "default: the pinned wheel, downloaded once into the cache",
+    )
+    parser.add_argument(
+        "--apply-to",
+        type=Path,
+        metavar="DIR",
+        help="also lay the pristine upstream tree out in DIR (a git repository, python/sglang/...) "
+        "and apply the series there with git am",
+    )
+
+
+def run(args) -> int:
+    from sglang_dsv4.fixes import FIXES
+
+    try:
+        python_dir = upstream_python_dir(args.upstream_src)
+        outcomes = export_series(FIXES, python_dir, args.out)
+        width = max(len(o.fix.id) for o in outcomes) if outcomes else 0
+        for o in outcomes:
+            print(f"{o.fix.id:<{width}}  {o.patch + ' (' + o.note + ')' if o.patch else o.note}")
+        count = sum(1 for o in outcomes if o.patch)
+        print(
+            f"wrote {count} patch(es) and series to {args.out} (upstream sglang {UPSTREAM_PIN}, {python_dir})"
+        )
+        if args.apply_to:
+            names = apply_series(args.out, python_dir, args.apply_to)
+            print(
+                f"applied {len(names)} patch(es) with git am to the pristine tree in {args.apply_to}"
+            )
+    except ExportError as exc:
+        print(f"sglang-dsv4 export-patches: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
