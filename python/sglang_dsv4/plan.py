@@ -64,7 +64,9 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 def check_index_k_dtype(value: str) -> str:
     name = (value or "").strip().lower()
     if name not in INDEX_K_DTYPES:
-        raise PlanError(f"index-K dtype {value!r} is not supported; allowed: {', '.join(INDEX_K_DTYPES)}")
+        raise PlanError(
+            f"index-K dtype {value!r} is not supported; allowed: {', '.join(INDEX_K_DTYPES)}"
+        )
     return name
 
 
@@ -251,7 +253,9 @@ def build_pool(chain: Chain, config, device: str = "cpu"):
         sizes = kvc._derive_pool_sizes(config=config)
         kvc.device = "meta"
         try:
-            req_to_token_pool = kvc._build_req_to_token_pool(max_num_reqs=sizes.max_running_requests)
+            req_to_token_pool = kvc._build_req_to_token_pool(
+                max_num_reqs=sizes.max_running_requests
+            )
         finally:
             kvc.device = "cpu"
         kvc.device = device
@@ -305,7 +309,10 @@ def storage_bytes(*objects) -> int:
 def pool_breakdown(pool) -> dict[str, int]:
     """Allocated bytes of each part of a DeepSeekV4TokenToKVPool."""
     states: dict[str, list] = {}
-    for kind, pools in (("", pool.compress_state_pools), ("indexer ", pool.indexer_compress_state_pools)):
+    for kind, pools in (
+        ("", pool.compress_state_pools),
+        ("indexer ", pool.indexer_compress_state_pools),
+    ):
         for state_pool in pools:
             if state_pool is not None:
                 states.setdefault(f"c{state_pool.ratio} {kind}states", []).append(state_pool)
@@ -315,7 +322,9 @@ def pool_breakdown(pool) -> dict[str, int]:
         **{f"c{ratio} indexer": [ix] for ratio, ix in sorted(pool.index_pools.items())},
         **states,
     }
-    breakdown = {name: storage_bytes(*(o for o in objs if o is not None)) for name, objs in parts.items()}
+    breakdown = {
+        name: storage_bytes(*(o for o in objs if o is not None)) for name, objs in parts.items()
+    }
     breakdown["total"] = storage_bytes(pool)
     return breakdown
 
@@ -337,16 +346,25 @@ def plan(
         disaggregation_mode=disaggregation_mode,
         page_size=page_size,
     )
+    if chain.kvc.page_size != page_size:
+        raise PlanError(
+            f"--page-size {page_size}: upstream runs DeepSeek-V4 with page size "
+            f"{chain.kvc.page_size} here whatever the flag says; plan with {chain.kvc.page_size}"
+        )
     kv_bytes = int(kv_memory_gib * GIB)
     try:
         config = size_for_budget(chain, kv_bytes)
-    except RuntimeError as exc:
-        if "Not enough memory" not in str(exc):
+    except (RuntimeError, ValueError) as exc:
+        # Upstream's two ways of saying the budget holds no usable pool: no full page at all, or
+        # an SWA share below one request's window.
+        reason = str(exc).strip()
+        if "Not enough memory" not in reason and "cannot hold even one request" not in reason:
             raise
-        need = page_size * chain.configurator.bytes_per_full_token / GIB
+        one_page = page_size * chain.configurator.bytes_per_full_token / GIB
         raise PlanError(
-            f"--kv-memory-gib {kv_memory_gib:g} is too small for one page of {page_size} full "
-            f"tokens (that alone needs {need:.3f} GiB plus the fixed request state)"
+            f"--kv-memory-gib {kv_memory_gib:g} is too small for the pools of this model "
+            f"(one page of {page_size} full tokens alone takes {one_page:.3f} GiB; upstream: "
+            f"{reason.splitlines()[0]})"
         ) from None
     pool = build_pool(chain, config, device="meta")
     return describe(chain, config, pool, kv_bytes)
