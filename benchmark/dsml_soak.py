@@ -554,6 +554,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a rate is between 0 and 1, not {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -608,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--examples", metavar="OUT.jsonl", help="write each corrupt response")
     parser.add_argument(
         "--fail-above",
-        type=float,
+        type=_rate,
         default=None,
         metavar="RATE",
         help="exit 3 when the corruption rate is above RATE (e.g. 0.001)",
