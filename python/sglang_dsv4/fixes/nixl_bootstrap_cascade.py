@@ -1,44 +1,487 @@
-"""nixl-bootstrap-cascade: a prefill rank's NIXL bootstrap thread survives bad messages.
+"""nixl-bootstrap-cascade: the NIXL connector's control threads survive bad messages and deaths.
 
 Register entry
   Target:      sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_bootstrap_thread
-  Why:         One thread on each prefill rank receives everything decode ranks send. In 0.5.23 any
-               exception ends it (a foreign message fails an assert, a truncated one raises while
-               parsed); from then on no request to that rank leaves KVPoll.Bootstrapping until the
-               bootstrap timeout (300 s), and decode aborts request after request: the cascade that
-               wedged production.
-  How:         Each message is handled in isolation; a bad one is dropped with a rate-limited log
-               line and fails only the room it names. If the thread dies anyway, every waiting room
-               fails at once and the thread restarts with bounded back-off.
-  Upstream:    PR #30352 (ABORT handling in this thread) and PR #34692 (bootstrap timeout) are
-               upstream; per-message isolation and restart are not.
-  Remove when: upstream's bootstrap thread isolates messages and fails waiting rooms on death.
+               sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_decode_listener_thread
+               sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_node_failure (added)
+  Why:         One thread on each prefill rank receives everything decode ranks send (peer
+               registrations, transfer info, ABORT, staging replies). In 0.5.23 any exception ends
+               it: a foreign message fails the guard assert, a truncated or undecodable one raises
+               while parsed, and the guarded wrapper only logs and re-raises. From then on no request
+               to that rank leaves KVPoll.Bootstrapping until the bootstrap timeout (300 s), and
+               decode aborts request after request: the cascade that wedged production. Decode's
+               listener has the same shape (a STAGING_REQ that fails to parse ends it; rooms then
+               wait out the waiting timeout), and decode's heartbeat checker calls
+               _handle_node_failure outside its guard (a room cleared by the scheduler between
+               `in` and check_status raises KeyError there), which ends failure detection for good.
+  How:         Both control threads run one supervised loop: each message is handled in its own
+               try; a bad one is dropped with a log line rate-limited per (thread, kind) that names
+               kind, peer and room when the frames tell them; a live room the message names is
+               failed with the reason (prefill: conclude_failure, which also tells the decode ranks
+               the room reached; Failed stays terminal); ABORT for an unknown or finished room stays
+               a no-op. A registration that fails half-way is rolled back so the peer can register
+               again. If the loop dies anyway (socket error, a bug), the rooms waiting on it fail at
+               once (prefill: every Bootstrapping room; decode: every room not yet Success/Failed)
+               and the loop restarts after 0.1 s, doubling to at most 10 s while it keeps dying. A
+               terminated ZMQ context or closed socket ends it cleanly. Dropped messages, deaths and
+               isolated heartbeat errors are counted per manager (`control_thread_events`) and in
+               the Prometheus counter sglang:nixl_control_thread_events_total{thread,event}. The
+               threads are daemons, like the connector's other threads.
+               Audit of the other long-lived NIXL connector threads: transfer_worker (prefill)
+               already catches every exception per chunk and fails the room, no change;
+               decode_listener_thread (decode) had no guard at all, fixed as above; the heartbeat
+               checker (decode, CommonKVManager) guards its HTTP probe only, so
+               NixlKVManager._handle_node_failure now isolates the failure handling and, if it
+               raises, fails the rooms tracked for that prefill itself; CommonKVBootstrapServer
+               (aiohttp, per-request isolation) and the prefill-recompute thread pool (per-task
+               futures) do not have the pattern.
+  Upstream:    Not upstream. PR #30352 (sgl-project/sglang) made the thread handle ABORT instead
+               of dying on it; PR #34692 added the prefill bootstrap timeout that bounds the wedge
+               at 300 s; PR #35281 set out to keep Mooncake/NIXL control loops serving after
+               malformed messages, but its loop-wrapping handlers were dropped in review. 0.5.23
+               logs the thread's death and keeps every room waiting until that timeout.
+  Remove when: upstream's NIXL control threads isolate each message, fail waiting rooms when a
+               thread dies, and restart it.
 """
 
 from __future__ import annotations
 
-from sglang_dsv4.register import Fix
+import threading
+import time
+
+import zmq
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.common.staging_handler import (
+    handle_staging_rsp,
+    handle_watermark_msg,
+)
+from sglang.srt.disaggregation.nixl.conn import (
+    GUARD,
+    KVArgsRegisterInfo,
+    NixlKVManager,
+    TransferInfo,
+    logger,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from sglang_dsv4.register import Add, Fix, Replace
+
+_CONN = "sglang.srt.disaggregation.nixl.conn"
+_MANAGER = f"{_CONN}.NixlKVManager"
+
+
+# --- written as they would stand in sglang/srt/disaggregation/nixl/conn.py ---------------------
+
+
+def _describe_nixl_control_message(
+    frames: list[bytes],
+) -> tuple[str, str | None, int | None]:
+    """(kind, peer, room) of a control message as far as its frames tell; never raises."""
+
+    def text_at(index):
+        if index is None or index >= len(frames) or not frames[index]:
+            return None
+        return bytes(frames[index][:64]).decode("ascii", "replace")
+
+    def room_at(index):
+        try:
+            return int(bytes(frames[index]).decode("ascii"))
+        except (TypeError, IndexError, ValueError, UnicodeDecodeError):
+            return None
+
+    if not frames or frames == [b""]:
+        return "empty", None, None
+    tag = bytes(frames[0])
+    if tag == GUARD:
+        # After the guard: room ("None" for a registration), ip, port, agent name.
+        kind = "registration" if frames[1:2] == [b"None"] else "transfer_info"
+        return kind, text_at(4), room_at(1)
+    # Tagged messages: tag -> (frame with the room, frame naming the sender).
+    frame_of = {
+        b"ABORT": (1, 2),
+        b"STAGING_RSP": (1, 6),
+        b"WATERMARK": (None, 3),
+        b"STAGING_REQ": (1, 4),
+        b"CHUNK_READY": (1, 5),
+        b"ABORT_ACK": (1, None),
+        NixlKVManager.kv_status_msg_tag: (1, None),
+    }
+    if tag not in frame_of:
+        return "foreign", None, None
+    room_index, peer_index = frame_of[tag]
+    room = None if room_index is None else room_at(room_index)
+    return tag.decode("ascii").lower(), text_at(peer_index), room
+
+
+def _start_bootstrap_thread(self):
+    return self._start_control_thread(
+        "prefill_bootstrap",
+        self._handle_prefill_control_message,
+        self._fail_rooms_awaiting_bootstrap,
+    )
+
+
+def _start_decode_listener_thread(self):
+    # Every decode needs it, staging or not: prefill reports each room's outcome through it.
+    return self._start_control_thread(
+        "decode_listener",
+        self._handle_decode_control_message,
+        self._fail_rooms_awaiting_prefill,
+    )
+
+
+def _start_control_thread(
+    self,
+    role: str,
+    handle_message,
+    fail_waiting_rooms,
+) -> threading.Thread:
+    if not hasattr(self, "control_thread_events"):
+        # (thread role, event) -> count, for this manager; the metric sums all managers.
+        self.control_thread_events = {}
+    if not hasattr(self, "_control_drop_log"):
+        self._control_drop_log = {}
+    # Created here, on the constructing thread, so the control threads never race to create it.
+    self._control_thread_event_counter()
+    thread = threading.Thread(
+        target=self._run_control_thread,
+        args=(role, handle_message, fail_waiting_rooms),
+        name=f"nixl-{role}",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def _control_thread_event_counter(self):
+    # One counter per process, shared by every manager in it.
+    counter = NixlKVManager.__dict__.get("_control_thread_events_total")
+    if counter is None:
+        from prometheus_client import Counter
+
+        counter = Counter(
+            "sglang:nixl_control_thread_events_total",
+            "NIXL connector control-thread events: dropped bad messages, "
+            "isolated handler errors and thread deaths (each followed by a restart).",
+            labelnames=["thread", "event"],
+        )
+        NixlKVManager._control_thread_events_total = counter
+    return counter
+
+
+def _count_control_thread_event(self, role: str, event: str) -> int:
+    if not hasattr(self, "control_thread_events"):
+        self.control_thread_events = {}  # the heartbeat may count before any control thread
+    key = (role, event)
+    self.control_thread_events[key] = self.control_thread_events.get(key, 0) + 1
+    self._control_thread_event_counter().labels(thread=role, event=event).inc()
+    return self.control_thread_events[key]
+
+
+def _run_control_thread(
+    self,
+    role: str,
+    handle_message,
+    fail_waiting_rooms,
+    first_backoff_s: float = 0.1,
+    max_backoff_s: float = 10.0,
+) -> None:
+    """Serve the control socket for good: a death fails the waiting rooms, then restarts."""
+    backoff_s = first_backoff_s
+    while True:
+        started = time.monotonic()
+        try:
+            self._serve_control_messages(handle_message, role)
+        except zmq.ContextTerminated:
+            self.server_socket.close(linger=0)
+            logger.info("NIXL %s thread stops: its ZMQ context was terminated", role)
+            return
+        except Exception as e:
+            if self.server_socket.closed:
+                logger.info("NIXL %s thread stops: its socket was closed", role)
+                return
+            deaths = self._count_control_thread_event(role, "death")
+            reason = (
+                f"NIXL {role} thread on engine_rank={self.kv_args.engine_rank} died "
+                f"({type(e).__name__}: {str(e)[:200]})"
+            )
+            try:
+                failed = fail_waiting_rooms(reason)
+            except Exception:
+                logger.exception("NIXL %s: failing the waiting rooms raised", role)
+                failed = -1
+            # A thread that served for a while starts its back-off over.
+            if time.monotonic() - started > 6 * max_backoff_s:
+                backoff_s = first_backoff_s
+            logger.error(
+                "%s; death #%d, %s waiting room(s) failed at once; restarting in %.1f s",
+                reason,
+                deaths,
+                failed if failed >= 0 else "no",
+                backoff_s,
+                exc_info=True,
+            )
+            time.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, max_backoff_s)
+
+
+def _serve_control_messages(self, handle_message, role: str) -> None:
+    receive = self.server_socket.recv_multipart
+    while True:
+        frames = receive()
+        try:
+            handle_message(frames)
+        except Exception as e:
+            self._drop_control_message(role, frames, e)
+
+
+def _drop_control_message(
+    self, role: str, frames: list[bytes], error: Exception, log_interval_s: float = 10.0
+) -> None:
+    kind, peer, room = _describe_nixl_control_message(frames)
+    self._count_control_thread_event(role, "dropped_message")
+    error_text = f"{type(error).__name__}: {str(error)[:200]}"
+    room_failed = room is not None and self._fail_live_room(
+        room, f"NIXL {role} could not handle a {kind} message for this room ({error_text})"
+    )
+    # One line per (thread, kind) and interval; the next line says how many were left out.
+    now = time.monotonic()
+    last_logged, left_out = self._control_drop_log.get((role, kind), (None, 0))
+    if last_logged is not None and now - last_logged < log_interval_s:
+        self._control_drop_log[(role, kind)] = (last_logged, left_out + 1)
+        return
+    self._control_drop_log[(role, kind)] = (now, 0)
+    logger.warning(
+        "NIXL %s dropped a bad %s message (peer=%s, room=%s%s): %s%s",
+        role,
+        kind,
+        peer or "unknown",
+        "unknown" if room is None else room,
+        ", room failed" if room_failed else "",
+        error_text,
+        f" [{left_out} more like it in the last {now - last_logged:.0f} s]" if left_out else "",
+    )
+
+
+def _fail_live_room(self, room: int, reason: str) -> bool:
+    """Fail a room that is neither finished nor failed; False when there is no such room."""
+    status = self.request_status.get(room)
+    if status is None or status in (KVPoll.Success, KVPoll.Failed):
+        return False
+    if self.disaggregation_mode == DisaggregationMode.PREFILL:
+        # Also tells the decode ranks this room reached, so they stop waiting too.
+        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+    else:
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+    return True
+
+
+def _room_status_snapshot(self) -> list[tuple[int, int]]:
+    statuses = self.request_status
+    if not isinstance(statuses, dict):
+        # PP prefill: a PPConsensusStore, whose local map holds this rank's statuses.
+        statuses = statuses._local_map
+    return list(statuses.items())
+
+
+def _fail_rooms_awaiting_bootstrap(self, reason: str) -> int:
+    waiting = [
+        room
+        for room, status in self._room_status_snapshot()
+        if status == KVPoll.Bootstrapping
+    ]
+    return sum(self._fail_live_room(room, reason) for room in waiting)
+
+
+def _fail_rooms_awaiting_prefill(self, reason: str) -> int:
+    return sum(
+        self._fail_live_room(room, reason) for room, _ in self._room_status_snapshot()
+    )
+
+
+def _handle_prefill_control_message(self, frames: list[bytes]) -> None:
+    """Handle one message from a decode rank; raises if it cannot be handled."""
+    tag = frames[0]
+    if tag == b"WATERMARK" or tag == b"STAGING_RSP":
+        # Staging: decode's consumption watermark, or the staging offset it allocated.
+        if not self.enable_staging:
+            return
+        if tag == b"WATERMARK":
+            handle_watermark_msg(self._staging_ctx, frames)
+        else:
+            handle_staging_rsp(frames, self.transfer_infos)
+        return
+    if self._handle_abort_notification(frames):
+        return
+    if tag != GUARD:
+        raise ValueError(f"first frame is not {GUARD!r}: foreign traffic?")
+    if frames[1] == b"None":
+        self._register_decode_peer(KVArgsRegisterInfo.from_zmq(frames[1:]))
+    else:
+        self._store_transfer_info(TransferInfo.from_zmq(frames[1:]))
+
+
+def _register_decode_peer(self, peer: KVArgsRegisterInfo) -> None:
+    name = peer.agent_name
+    was_known = name in self.decode_kv_args_table
+    try:
+        self._add_remote_peer(peer)
+    except Exception:
+        if not was_known:
+            # Half-registered, the peer's next registration would be ignored as a duplicate.
+            self.decode_kv_args_table.pop(name, None)
+        raise
+    logger.debug("Registered KVArgs of decode peer %s", name)
+
+
+def _store_transfer_info(self, info: TransferInfo) -> None:
+    room = info.room
+    infos = self.transfer_infos.setdefault(room, {})
+    infos[info.agent_name] = info
+    logger.debug(
+        "transfer info for room=%s from %s (%d of %d)",
+        room,
+        info.agent_name,
+        len(infos),
+        info.required_dst_info_num,
+    )
+    if len(infos) != info.required_dst_info_num:
+        return
+    # Every decode destination of the room has reported: it is bootstrapped.
+    self.resolve_kv_replica_factor(infos)
+    prefix_lens = [i.decode_prefix_len for i in infos.values()]
+    self.req_to_decode_prefix_len[room] = next(
+        (n for n in prefix_lens if n is not None), 0
+    )
+    self.update_status(room, KVPoll.WaitingForInput)
+
+
+def _handle_decode_control_message(self, frames: list[bytes]) -> None:
+    """Handle one message from a prefill rank; raises if it cannot be handled."""
+    if frames[0] == b"STAGING_REQ":
+        if self.enable_staging:
+            self._handle_staging_req(frames)
+        return
+    if self.handle_chunk_ready(frames) or self.handle_abort_ack_message(frames):
+        return
+    parsed = self.parse_kv_status_message(frames)
+    if parsed is None:
+        what = "malformed" if frames[0] == self.kv_status_msg_tag else "unknown"
+        raise ValueError(f"{what} message, tag {bytes(frames[0][:20])!r}")
+    room, status, prefill_rank, reason = parsed
+    self.apply_prefill_status(
+        bootstrap_room=room,
+        status=status,
+        prefill_rank=prefill_rank,
+        failure_reason=reason,
+    )
+
+
+def _handle_node_failure(self, failed_bootstrap_addr: str):
+    """Run the common failure handling without letting it end the heartbeat thread.
+
+    The heartbeat checker guards only its HTTP probe. If the handling raises (a room
+    cleared between its `in` check and check_status, a malformed cached endpoint),
+    fail the rooms tracked for that prefill here instead.
+    """
+    with self.connection_lock:
+        rooms = list(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+    try:
+        CommonKVManager._handle_node_failure(self, failed_bootstrap_addr)
+    except Exception as e:
+        self._count_control_thread_event("decode_heartbeat", "error")
+        reason = (
+            f"Lost connection with prefill instance (bootstrap_addr: "
+            f"{failed_bootstrap_addr})"
+        )
+        failed = sum(self._fail_live_room(room, reason) for room in rooms)
+        # Forget the prefill as the common handling would, so it is not probed and failed again.
+        with self.connection_lock:
+            self.prefill_info_table.pop(failed_bootstrap_addr, None)
+            self.addr_to_rooms_tracker.pop(failed_bootstrap_addr, None)
+            self.heartbeat_failures.pop(failed_bootstrap_addr, None)
+        logger.error(
+            "Handling the loss of prefill %s raised %s: %s; failed its %d live room(s) "
+            "directly, the heartbeat thread goes on",
+            failed_bootstrap_addr,
+            type(e).__name__,
+            e,
+            failed,
+            exc_info=True,
+        )
+
+
+# --- the register entry ------------------------------------------------------------------------
 
 FIX = Fix(
     id="nixl-bootstrap-cascade",
-    title="NIXL prefill bootstrap thread survives bad messages",
+    title="NIXL control threads survive bad messages; waiting rooms fail at once if one dies",
     area="disaggregation",
     why=(
-        "One thread on each prefill rank (NixlKVManager._start_bootstrap_thread) receives everything "
-        "decode ranks send. In 0.5.23 any exception ends it: a foreign message fails an assert, a "
-        "truncated one raises while parsed. From then on no request to that rank leaves "
-        "KVPoll.Bootstrapping until the bootstrap timeout (300 s), and decode aborts request after "
-        "request: the cascade that wedged production."
+        "One thread on each prefill rank (NixlKVManager._start_bootstrap_thread) receives "
+        "everything decode ranks send. In 0.5.23 any exception ends it: a foreign message fails "
+        "the guard assert, a truncated or undecodable one raises while parsed, and the guarded "
+        "wrapper only logs and re-raises. From then on no request to that rank leaves "
+        "KVPoll.Bootstrapping until the bootstrap timeout (300 s), and decode aborts request "
+        "after request: the cascade that wedged production. Decode's listener thread has no "
+        "guard at all (a STAGING_REQ that fails to parse ends it, and rooms wait out the waiting "
+        "timeout), and decode's heartbeat checker calls _handle_node_failure outside its guard, "
+        "so one exception there ends prefill failure detection for good."
     ),
     how=(
-        "Each message is handled in isolation: a bad one is dropped with a rate-limited log line "
-        "and fails only the live room it names. If the thread dies anyway, every room waiting on "
-        "the rank fails at once and the thread restarts with bounded back-off."
+        "Both control threads run one supervised loop that handles each message in its own try. "
+        "A bad message is dropped with a log line rate-limited per (thread, kind), naming kind, "
+        "peer and room when known; a live room it names is failed with the reason (prefill: "
+        "conclude_failure, which tells the decode ranks too; Failed stays terminal); ABORT for "
+        "an unknown or finished room stays a no-op; a registration that fails half-way is rolled "
+        "back. If the loop dies anyway, the rooms waiting on it fail at once (prefill: every "
+        "Bootstrapping room; decode: every unfinished room) and it restarts after 0.1 s, "
+        "doubling to 10 s while it keeps dying; a terminated context or closed socket stops it. "
+        "Drops, deaths and isolated heartbeat errors are counted per manager "
+        "(control_thread_events) and in sglang:nixl_control_thread_events_total{thread,event}. "
+        "Audited: transfer_worker already isolates each chunk (no change); decode listener "
+        "(fixed); heartbeat checker (NixlKVManager._handle_node_failure isolates the failure "
+        "handling and fails the tracked rooms itself if it raises); bootstrap server and "
+        "prefill-recompute pool isolate per request (no change)."
     ),
     upstream=(
-        "PR #30352 (ABORT in this thread) and PR #34692 (bootstrap timeout) are upstream; "
-        "per-message isolation and restart are not upstream"
+        "not upstream; PR #30352 (ABORT handled in this thread) and PR #34692 (bootstrap "
+        "timeout) are; PR #35281's loop guards were dropped in review"
     ),
-    remove_when="upstream's bootstrap thread isolates messages and fails waiting rooms on death.",
-    targets=("sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_bootstrap_thread",),
+    remove_when=(
+        "upstream's NIXL control threads isolate each message, fail waiting rooms when a thread "
+        "dies, and restart it."
+    ),
+    targets=(
+        f"{_MANAGER}._start_bootstrap_thread",
+        f"{_MANAGER}._start_decode_listener_thread",
+        f"{_MANAGER}._handle_node_failure",
+    ),
+    replaces=(
+        Replace(f"{_MANAGER}._start_bootstrap_thread", _start_bootstrap_thread, "(self)"),
+        Replace(
+            f"{_MANAGER}._start_decode_listener_thread", _start_decode_listener_thread, "(self)"
+        ),
+    ),
+    adds=(
+        Add(_CONN, _describe_nixl_control_message),
+        Add(_MANAGER, _start_control_thread),
+        Add(_MANAGER, _control_thread_event_counter),
+        Add(_MANAGER, _count_control_thread_event),
+        Add(_MANAGER, _run_control_thread),
+        Add(_MANAGER, _serve_control_messages),
+        Add(_MANAGER, _drop_control_message),
+        Add(_MANAGER, _fail_live_room),
+        Add(_MANAGER, _room_status_snapshot),
+        Add(_MANAGER, _fail_rooms_awaiting_bootstrap),
+        Add(_MANAGER, _fail_rooms_awaiting_prefill),
+        Add(_MANAGER, _handle_prefill_control_message),
+        Add(_MANAGER, _register_decode_peer),
+        Add(_MANAGER, _store_transfer_info),
+        Add(_MANAGER, _handle_decode_control_message),
+        Add(_MANAGER, _handle_node_failure),
+    ),
+    imports={_CONN: ("import zmq",)},
 )
