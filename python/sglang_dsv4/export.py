@@ -986,10 +986,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from sglang_dsv4.fixes import FIXES
-
     try:
         python_dir = upstream_python_dir(args.upstream_src)
+        from sglang_dsv4.fixes import FIXES  # imports upstream: after the cheap checks
+
         outcomes = export_series(FIXES, python_dir, args.out)
         width = max(len(o.fix.id) for o in outcomes) if outcomes else 0
         for o in outcomes:
