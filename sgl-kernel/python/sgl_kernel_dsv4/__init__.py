@@ -12,12 +12,13 @@ from sgl_kernel_dsv4.index_logits import (
     bf16_paged_mqa_logits_torch,
     bf16_paged_mqa_logits_triton,
 )
-from sgl_kernel_dsv4.index_reference import hadamard_rotate
+from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate
 
 __all__ = [
     "HEAD_DIM",
     "PAGE_TOKENS",
     "IndexLogitsInputError",
+    "apply_rope_tail",
     "bf16_paged_mqa_logits",
     "bf16_paged_mqa_logits_torch",
     "bf16_paged_mqa_logits_triton",

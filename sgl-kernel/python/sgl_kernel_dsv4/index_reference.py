@@ -1,7 +1,7 @@
 """Plain-torch references for the c4 indexer's numerics, for tests and benchmarks.
 
-- `hadamard_rotate`: the normalized 128-point Walsh-Hadamard rotation (Sylvester order) that
-  upstream applies to index keys and queries before storing / quantizing them.
+- `hadamard_rotate` (from `index_rotation`): the rotation upstream applies to index keys and
+  queries before quantizing them.
 - `quantize_index_fp8`: upstream 0.5.23's fp8 index quantization, per row of 128 values:
   scale = max(amax, 1e-4) / 448 in fp32, values = e4m3(x * (1 / scale)). Keys keep the scale
   beside the row (132 B/token); the query's scale is folded into the head weights.
@@ -15,28 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_dsv4.index_rotation import hadamard_rotate  # noqa: F401  (part of this API)
+
 FP8_E4M3_MAX = 448.0
 FP8_SCALE_FLOOR = 1e-4
 FP8_INDEX_BYTES_PER_KEY = 128 + 4
 BF16_INDEX_BYTES_PER_KEY = 128 * 2
 PAGE_TOKENS = 64
-
-
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x @ H / sqrt(n) along the last dim (n a power of two), computed in fp32 by butterflies.
-
-    No host sync and no data-dependent shapes, so it is CUDA-graph safe."""
-    n = x.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"hadamard_rotate: last dim must be a power of two, got {n}")
-    out = x.float().reshape(-1, n)
-    half = 1
-    while half < n:
-        pairs = out.view(-1, n // (2 * half), 2, half)
-        low, high = pairs[:, :, 0], pairs[:, :, 1]
-        out = torch.stack((low + high, low - high), dim=2)
-        half *= 2
-    return out.reshape(x.shape) * n**-0.5
 
 
 def quantize_index_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
