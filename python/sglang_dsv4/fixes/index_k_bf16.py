@@ -3,7 +3,10 @@
 Register entry
   Target:      sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4IndexerPool
                sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool
-               sglang.srt.layers.attention.dsv4.indexer.forward_c4_indexer
+               sglang.srt.layers.attention.dsv4.indexer.C4Indexer (forward, compute_q_bf16)
+               sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin
+               sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendMixin
+               sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend
   Why:         The lightning indexer keeps one 128-value key per compressed token of each c4 layer
                (21 in DeepSeek-V4-Flash) and picks the top 512 for sparse attention. Upstream 0.5.23
                stores keys as fp8 e4m3 with one fp32 scale per 128 values (132 B/token; fp4: 68) and
@@ -12,6 +15,14 @@ Register entry
                bf16 the c4 pool stores the keys as they are: 256 B/token, no scale, same pages.
                One function, dsv4_index_k_bytes_per_token, decides the bytes per indexer token for
                every dtype; the pool allocates by it (and pool-sizing-bf16 prices by it).
+               Compute (bf16 pools only; fp8 and fp4 layers run upstream's code unchanged):
+               C4Indexer.forward routes the layer to forward_c4_indexer_bf16, which keeps the
+               query bf16 (upstream's RoPE + Hadamard, no fp8), scores the pool's bf16 pages with
+               sgl_kernel_dsv4.bf16_paged_mqa_logits (Triton on CUDA, written for sm_120; torch
+               elsewhere; upstream's output contract) and runs upstream's top-k step; prefill takes
+               the same paged kernel in row chunks. Write: DeepseekV4AttnBackend.
+               forward_indexer_compressor runs upstream's compress_forward, then RMSNorm, RoPE and
+               Hadamard in fp32 and stores bf16 (bf16_index_keys_from_plan, set_index_k_bf16).
   Upstream:    not upstream
   Remove when: upstream ships a bf16 (or otherwise lossless) index-K option for DeepSeek-V4.
 
@@ -46,6 +57,17 @@ import os
 import torch
 
 # The functions below run with this module's globals: the same names the upstream module imports.
+from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits
+from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate
+from sglang.srt.layers.attention.dsv4.compressor_v2 import compress_forward, is_overlap_compress
+from sglang.srt.layers.attention.dsv4.indexer import (
+    get_global_indexer_capturer,
+    iter_row_chunks,
+    plan_topk_v2,
+    topk_transform_paged,
+    topk_transform_paged_v2,
+    topk_transform_pytorch_vectorized,
+)
 from sglang.srt.runtime_context import get_exec
 
 from sglang_dsv4.register import Add, Fix, Replace
@@ -212,6 +234,283 @@ STORAGE_ADDS = (
 )
 STORAGE_IMPORTS = {POOL_MODULE: ("import functools", "import os")}
 
+
+# --- compute: sglang.srt.layers.attention.dsv4.indexer ----------------------------------------
+
+
+def resize_query_rows(tensor: torch.Tensor, rows: int, fill) -> torch.Tensor:
+    """`tensor` cut to, or padded with `fill` up to, `rows` rows (dim 0); a view when cut."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    padding = tensor.new_full((rows - tensor.shape[0], *tensor.shape[1:]), fill)
+    return torch.cat((tensor, padding))
+
+
+class C4IndexerCompute:
+    def forward(
+        self,
+        x,
+        q_lora,
+        forward_batch,
+        attn_backend,
+        enable_multi_stream=False,
+        q_lora_ready=None,
+        skip_compressor=False,
+        q_lora_quant=None,
+    ) -> None:
+        # The pool decides: keys stored as bf16 are scored by the bf16 path, others by upstream's.
+        if attn_backend.token_to_kv_pool.index_k_dtype_of(self.layer_id) == "bf16":
+            run = attn_backend.forward_c4_indexer_bf16
+        else:
+            run = attn_backend.forward_c4_indexer
+        options = {}
+        if q_lora_quant is not None:  # passed only when there is one, as upstream does
+            options["q_lora_quant"] = q_lora_quant
+        return run(
+            x=x,
+            q_lora=q_lora,
+            c4_indexer=self,
+            forward_batch=forward_batch,
+            alt_streams=self.alt_streams,
+            skip_compressor=skip_compressor,
+            enable_multi_stream=enable_multi_stream,
+            q_lora_ready=q_lora_ready,
+            **options,
+        )
+
+    def compute_q_bf16(self, q_lora, positions, weight, q_lora_quant=None):
+        """The query for bf16 index keys: upstream's projection, RoPE and Hadamard rotation in
+        fp32, rounded to bf16 rather than quantized to fp8. The head weights get the indexer's
+        weight scale and no per-query scale. Returns (q [T, H, D] bf16, weights [T, H] fp32)."""
+        q, _ = self.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
+        q = q.view(-1, self.n_local_heads, self.head_dim)
+        q = apply_rope_tail(q, self.freqs_cis[positions.long()])
+        return hadamard_rotate(q).to(torch.bfloat16), weight.float() * self.weight_scale
+
+
+class C4IndexerBackendCompute:
+    def forward_c4_indexer_bf16(
+        self,
+        x,
+        q_lora,
+        c4_indexer,
+        forward_batch,
+        alt_streams=None,
+        enable_multi_stream=False,
+        q_lora_ready=None,
+        skip_compressor=False,
+        q_lora_quant=None,
+    ) -> None:
+        """forward_c4_indexer for a bf16 index-K pool (C4Indexer.forward routes here).
+
+        Same inputs, same outputs: the compressor stores this step's keys, the query stays bf16,
+        the logits are float32 [rows, max_compressed_seq_len] with -inf past each row (as
+        upstream's sm_120 path), and upstream's top-k step fills c4_sparse_page_indices. Prefill
+        runs the same paged kernel in row chunks; it has no fp8-only ragged variant to take.
+        Streams run in sequence here: only the wait for q_lora is kept.
+        """
+        if forward_batch.forward_mode.is_idle():
+            return
+        paged = self.forward_metadata.indexer_metadata
+        core = self.forward_metadata.core_metadata
+        rows = min(x.shape[0], q_lora.shape[0], core.positions.shape[0])
+        if q_lora.shape[0] != rows:
+            q_lora, q_lora_quant = q_lora[:rows], None  # the quantized copy has the old rows
+        x, positions = x[:rows], core.positions[:rows]
+        if not skip_compressor:
+            self.forward_indexer_compressor(
+                x=x, forward_batch=forward_batch, layer_id=c4_indexer.layer_id,
+                compressor=c4_indexer.compressor,
+            )
+        if q_lora_ready is not None:  # on a side stream: q_lora comes from the caller's stream
+            torch.cuda.current_stream().wait_event(q_lora_ready)
+        weights = c4_indexer.compute_weights(x, skip_scale=True)
+        q, weights = c4_indexer.compute_q_bf16(q_lora, positions, weights, q_lora_quant)
+
+        seq_lens = resize_query_rows(paged.compressed_seq_lens, rows, 1)
+        page_table = resize_query_rows(paged.page_table, rows, 0)
+        selected = resize_query_rows(core.c4_sparse_page_indices, rows, -1)
+        if self.debug_use_external_c4_sparse_indices:
+            return
+        positions_out = self._c4_raw_indices(forward_batch, core, selected)
+        keys = self.token_to_kv_pool.get_index_k_bf16_buffer(c4_indexer.layer_id)
+        for part in iter_row_chunks(num_rows=rows, rows_per_chunk=paged.rows_per_chunk):
+            logits = bf16_paged_mqa_logits(
+                q[part].unsqueeze(1), keys, weights[part], seq_lens[part], page_table[part],
+                paged.max_compressed_seq_len,
+            )
+            self._c4_topk_transform(
+                logits, seq_lens[part], page_table[part], selected[part],
+                None if positions_out is None else positions_out[part],
+                paged.compressed_page_size,
+                paged.topk_metadata if part == slice(0, rows) else None,
+            )
+            del logits  # one chunk of logits alive at a time
+        self._c4_after_topk(forward_batch, c4_indexer, paged, core, positions_out)
+
+    def _c4_topk_transform(
+        self, logits, seq_lens, page_table, out_page_indices, out_raw_indices, page_size,
+        topk_plan=None,
+    ) -> None:
+        """Upstream's top-k step for a block of rows, by the configured top-k backend."""
+        backend = self.dsa_topk_backend
+        common = (logits, seq_lens, page_table, out_page_indices, page_size)
+        if backend.is_torch():
+            topk_transform_pytorch_vectorized(*common, out_raw_indices)
+        elif backend.is_flashinfer():
+            self.flashinfer_topk_transform(*common, out_raw_indices)
+        elif backend.should_use_topk_v2():
+            # the cached plan routes rows by index in the whole batch; a chunk needs its own
+            plan = plan_topk_v2(seq_lens) if topk_plan is None else topk_plan
+            topk_transform_paged_v2(*common, plan, out_raw_indices)
+        else:
+            topk_transform_paged(*common, out_raw_indices)
+
+    def _c4_raw_indices(self, forward_batch, core, out_page_indices):
+        """Where top-k also writes the selected positions: the metadata's buffer, or one for the
+        indexer capturer or HiSparse decode; None when nothing reads them."""
+        if core.c4_sparse_raw_indices is not None:
+            return core.c4_sparse_raw_indices
+        if get_global_indexer_capturer() is not None:
+            return torch.empty_like(out_page_indices)
+        coordinator = self.hisparse_coordinator
+        if coordinator is not None and forward_batch.forward_mode.is_decode():
+            return coordinator.raw_indices_buffer[: out_page_indices.shape[0]]
+        return None
+
+    def _c4_after_topk(self, forward_batch, c4_indexer, paged, core, raw_indices) -> None:
+        """Hand the selection to HiSparse and the indexer capturer, as upstream does."""
+        coordinator = self.hisparse_coordinator
+        capturer = get_global_indexer_capturer()
+        if coordinator is None and capturer is None:
+            return
+        pool = self.token_to_kv_pool
+        layer = pool.layer_mapping[c4_indexer.layer_id].compress_layer_id
+        if coordinator is not None and forward_batch.forward_mode.is_decode():
+            core.c4_sparse_page_indices = coordinator.swap_in_selected_pages(
+                req_pool_indices=forward_batch.req_pool_indices,
+                compressed_seq_lens=paged.compressed_seq_lens,
+                top_k_result=raw_indices,
+                layer_id=layer,
+            )
+        elif coordinator is not None:
+            # pool slots -> HiSparse device slots; flash_mla's c4 attention takes int32
+            device_slots = pool.c4_kv_pool.translate_loc_to_hisparse_device(
+                core.c4_sparse_page_indices
+            )
+            core.c4_sparse_page_indices = device_slots.to(torch.int32)
+        if capturer is not None:
+            capturer.capture(layer, raw_indices)
+
+
+# --- compute: the write path (sglang.srt.layers.attention.dsv4.compressor_v2 and the backend) --
+
+
+def bf16_index_keys_from_plan(kv, plan, out_loc, norm, freqs_cis):
+    """Index keys to store from compressed rows kv [N, D] (one per row of `plan`).
+
+    The steps upstream's fused store runs before quantizing to fp8, in fp32: RMSNorm with the
+    compressor's weight, RoPE at the compressed token's position (seq_len - ratio), the Hadamard
+    rotation; then bf16. Rows that complete no group (decode: seq_len not a multiple of the ratio;
+    prefill: invalid plan rows) are aimed at slot 0, the pool's reserved padding slot, so shapes
+    never depend on data (CUDA graphs). Returns (keys bf16 [N, D], slots int64 [N]).
+    """
+    fields = plan[1].view(torch.int32)  # 16-byte plan rows: seq_len (uint32) first
+    seq_lens = fields[:, 0]
+    if plan.is_decode:
+        completes = seq_lens % plan.compress_ratio == 0
+        slots = out_loc.long()
+    else:
+        completes = seq_lens != -1  # 0xffffffff marks an invalid row
+        slots = out_loc.long()[(fields[:, 1] & 0xFFFF).long()]  # low half: the ragged token id
+    slots = torch.where(completes, slots, torch.zeros_like(slots))
+    positions = (seq_lens - plan.compress_ratio).clamp(min=0).long()
+    x = kv.float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.variance_epsilon)
+    x = apply_rope_tail(x * norm.weight.float(), freqs_cis[positions])
+    return hadamard_rotate(x).to(torch.bfloat16), slots
+
+
+class CompressorBackendCompute:
+    def forward_indexer_compressor_bf16(self, x, forward_batch, layer_id, compressor) -> None:
+        """The c4 indexer's compressor for a bf16 index-K pool: upstream's compress_forward, then
+        bf16_index_keys_from_plan, then the pool's bf16 store (in place of the fused fp8 store)."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        ratio, head_dim = compressor.ratio, compressor.head_dim
+        plan = self._get_paged_compress_metadata(ratio)
+        score_width = 2 * head_dim * (2 if is_overlap_compress(ratio) else 1)
+        scores = compressor.get_state_pool(self).kv_score_buffer.kv_score
+        compressed = compress_forward(
+            kv_score_buffer=scores.view(-1, ratio, score_width),
+            kv_score_input=compressor.compute_kv_score(x, forward_batch),
+            ape=compressor.ape.view(-1, head_dim),
+            plan=plan,
+            compress_ratio=ratio,
+            head_dim=head_dim,
+            is_online=False,
+        )
+        keys, slots = bf16_index_keys_from_plan(
+            compressed, plan, self._get_out_loc(ratio), compressor.norm, compressor.freqs_cis
+        )
+        self.token_to_kv_pool.set_index_k_bf16(layer_id, slots, keys)
+
+
+class DeepseekV4BackendCompute:
+    def forward_indexer_compressor(self, x, forward_batch, layer_id, compressor) -> None:
+        """The c4 indexer's compressor: bf16 index-K pools store bf16 keys, every other pool takes
+        forward_unified (what CompressorBackendMixin names forward_indexer_compressor)."""
+        if self.token_to_kv_pool.index_k_dtype_of(layer_id) == "bf16":
+            return self.forward_indexer_compressor_bf16(x, forward_batch, layer_id, compressor)
+        return self.forward_unified(x, forward_batch, layer_id, compressor)
+
+
+INDEXER_MODULE = "sglang.srt.layers.attention.dsv4.indexer"
+COMPRESSOR_MODULE = "sglang.srt.layers.attention.dsv4.compressor_v2"
+BACKEND_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend"
+C4_INDEXER = f"{INDEXER_MODULE}.C4Indexer"
+C4_INDEXER_BACKEND = f"{INDEXER_MODULE}.C4IndexerBackendMixin"
+COMPRESSOR_BACKEND = f"{COMPRESSOR_MODULE}.CompressorBackendMixin"
+DSV4_BACKEND = f"{BACKEND_MODULE}.DeepseekV4AttnBackend"
+
+COMPUTE_REPLACES = (
+    Replace(
+        target=f"{C4_INDEXER}.forward",
+        func=C4IndexerCompute.forward,
+        signature=(
+            "(self, x, q_lora, forward_batch, attn_backend, enable_multi_stream=False, "
+            "q_lora_ready=None, skip_compressor=False, q_lora_quant=None)"
+        ),
+    ),
+)
+COMPUTE_ADDS = (
+    Add(owner=C4_INDEXER, func=C4IndexerCompute.compute_q_bf16),
+    Add(owner=INDEXER_MODULE, func=resize_query_rows),
+    Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute.forward_c4_indexer_bf16),
+    Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute._c4_topk_transform),
+    Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute._c4_raw_indices),
+    Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute._c4_after_topk),
+    Add(owner=COMPRESSOR_MODULE, func=bf16_index_keys_from_plan),
+    Add(owner=COMPRESSOR_BACKEND, func=CompressorBackendCompute.forward_indexer_compressor_bf16),
+    # A method of the backend class in front of the mixin's forward_indexer_compressor alias.
+    Add(owner=DSV4_BACKEND, func=DeepseekV4BackendCompute.forward_indexer_compressor),
+)
+COMPUTE_IMPORTS = {
+    INDEXER_MODULE: (
+        "from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits",
+        "from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate",
+    ),
+    COMPRESSOR_MODULE: (
+        "from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate",
+    ),
+}
+# The kernels travel with the exported patch as new upstream modules.
+COMPUTE_NEW_FILES = {
+    "sglang.kernels.ops.attention.dsv4.bf16_index_logits": "sgl_kernel_dsv4.index_logits",
+    "sglang.kernels.ops.attention.dsv4.bf16_index_logits_triton": "sgl_kernel_dsv4.index_logits_triton",
+    "sglang.kernels.ops.attention.dsv4.index_rotation": "sgl_kernel_dsv4.index_rotation",
+}
+
 FIX = Fix(
     id="index-k-bf16",
     title="bf16 index keys for the DeepSeek-V4 c4 indexer",
@@ -229,16 +528,29 @@ FIX = Fix(
         "indexer pool stores keys as they are: 256 B/token, no scale, in upstream's page rows "
         "(same page count and registration), with bf16 set/get methods on the indexer and token "
         "pools (the getters wait for the layer's HiCache transfer). dsv4_index_k_bytes_per_token "
-        "is the one byte rule for every dtype; the pool records its dtype as index_k_dtype."
+        "is the one byte rule for every dtype; the pool records its dtype as index_k_dtype. "
+        "Compute: C4Indexer.forward sends a layer whose pool is bf16 to forward_c4_indexer_bf16 "
+        "(others to upstream's forward_c4_indexer): the query gets upstream's RoPE and Hadamard "
+        "rotation but stays bf16, sgl_kernel_dsv4's bf16_paged_mqa_logits (Triton on CUDA, "
+        "written for sm_120; torch elsewhere) scores the pool's bf16 pages with upstream's "
+        "output contract (float32, -inf past each row), and upstream's top-k step follows; "
+        "prefill uses the same paged kernel in row chunks. Write path: DeepseekV4AttnBackend."
+        "forward_indexer_compressor sends bf16 pools through upstream's compress_forward, then "
+        "RMSNorm, RoPE and Hadamard rotation in fp32 and the pool's bf16 store, where fp8 pools "
+        "keep upstream's fused fp8 store (forward_unified)."
     ),
     upstream="not upstream",
     remove_when="upstream ships a bf16 (or otherwise lossless) index-K option for DeepSeek-V4.",
     targets=(
         INDEXER_POOL,
         TOKEN_POOL,
-        "sglang.srt.layers.attention.dsv4.indexer.forward_c4_indexer",
+        C4_INDEXER,
+        C4_INDEXER_BACKEND,
+        COMPRESSOR_BACKEND,
+        DSV4_BACKEND,
     ),
-    replaces=STORAGE_REPLACES,
-    adds=STORAGE_ADDS,
-    imports=STORAGE_IMPORTS,
+    replaces=STORAGE_REPLACES + COMPUTE_REPLACES,
+    adds=STORAGE_ADDS + COMPUTE_ADDS,
+    imports={**STORAGE_IMPORTS, **COMPUTE_IMPORTS},
+    new_files=COMPUTE_NEW_FILES,
 )
