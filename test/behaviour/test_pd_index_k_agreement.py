@@ -1,0 +1,243 @@
+"""Prefill and decode agree on the index-K row before any KV moves (host-mirror-geometry, PD part).
+
+Real upstream code: DeepSeek-V4 pools (device="cpu") of both index-K dtypes from upstream's sizing
+chain and their get_contiguous_buf_infos; NIXL agents (UCX, host memory) registering those
+buffers through NixlKVManager.register_buffer_to_engine; the decode's registration and room
+messages from its own builders (build_receiver_registration_message /
+build_receiver_metadata_message) parsed by KVArgsRegisterInfo / TransferInfo.from_zmq;
+the prefill's _add_remote_peer (upstream's _prepare_payload_xfer prepares the NIXL lists),
+add_transfer_request, send_kvcache and conclude_failure, and a real ZMQ socket on loopback for the
+decode's status endpoint, read with the decode's own parse_kv_status_message.
+
+Stand-ins, and why: NixlKVManager.__init__ needs a GPU (NIXL backend creation sets the CUDA
+device), a bootstrap server and the scheduler's runtime context; the managers here are made with
+object.__new__ and given the attributes __init__ sets for a prefill or decode rank with these KV
+buffers in host memory. The decode manager stands in for the remote peer. The prefill's transfer
+worker thread is not run: the test calls send_kvcache, what that worker calls for this pool, with
+the chunk it would dequeue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from nixl._api import nixl_agent, nixl_agent_config
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.nixl.conn import (
+    KVArgsRegisterInfo,
+    NixlKVManager,
+    TransferInfo,
+    num_kv_slots,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import get_zmq_socket_on_host
+from support.dsv4 import small_pool
+
+HOST = "127.0.0.1"
+PAGE = 256
+INDEX_PAGE_SLOTS = PAGE // 4  # c4 index slots per page
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    # Two bf16 pools (prefill, decode) and an fp8 decode pool.
+    return {
+        "bf16 prefill": small_pool("bf16")[1],
+        "bf16 decode": small_pool("bf16")[1],
+        "fp8 decode": small_pool("fp8")[1],
+    }
+
+
+def index_k_entries(pool) -> list[int]:
+    """Positions of the c4 index-K page rows in the pool's PD registration."""
+    ptrs, _, _ = pool.get_contiguous_buf_infos()
+    rows = pool.c4_indexer_kv_pool.contiguous_page_row_buffers()
+    return [ptrs.index(r.data_ptr()) for r in rows]
+
+
+def kv_args_of(pool) -> KVArgs:
+    args = KVArgs()
+    args.engine_rank, args.gpu_id, args.page_size = 0, 0, PAGE
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+    args.kv_layer_ids = []
+    args.kv_layout = pool.pd_kv_layout()
+    aux = torch.zeros(64, dtype=torch.uint8)  # one metadata buffer, kept alive by the args
+    args.aux_buffer = aux
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [64], [8]
+    for name in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids"):
+        setattr(args, name, [])
+    args.state_dim_per_tensor, args.state_types = [], []
+    return args
+
+
+def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
+    mgr = object.__new__(NixlKVManager)
+    mgr.disaggregation_mode = mode
+    mgr.kv_args = kv_args_of(pool)
+    mgr.agent = nixl_agent(f"{mode.value}-{next(_names)}", nixl_agent_config(backends=["UCX"]))
+    mgr.register_buffer_to_engine()
+    mgr.is_mla_backend, mgr.is_hybrid_mla_backend = False, True  # DeepSeek-V4's pools
+    mgr.attn_tp_size, mgr.attn_tp_rank = 1, 0
+    mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0
+    mgr.pp_size, mgr.pp_rank = 1, 0
+    mgr.dcp_size, mgr.dcp_rank = 1, 0
+    mgr.local_ip = HOST
+    mgr._zmq_ctx = zmq.Context()
+    mgr.rank_port, mgr.server_socket = get_zmq_socket_on_host(mgr._zmq_ctx, zmq.PULL, host=HOST)
+    mgr.enable_staging = False
+    if mode == DisaggregationMode.PREFILL:
+        mgr.src_mem_kind = "DRAM"
+        mgr._num_slots_src = num_kv_slots(mgr.kv_args.kv_data_lens, mgr.kv_args.kv_item_lens)
+        mgr.prep_handles, mgr.decode_kv_args_table, mgr.transfer_infos = {}, {}, {}
+        mgr._prepared_state_plans, mgr._state_layout_rejections = {}, {}
+        mgr._prepared_state_components = frozenset()
+        mgr.transfer_queues = [queue.SimpleQueue()]  # what workers read; can say it is empty
+        mgr.request_status, mgr.failure_records = {}, {}
+        mgr.failure_lock, mgr._socket_lock = threading.Lock(), threading.Lock()
+        mgr._socket_cache, mgr._monitor_cache = {}, {}
+        mgr._socket_send_locks = defaultdict(threading.Lock)
+        mgr._staging_outstanding = defaultdict(int)
+        mgr._deferred_ack_targets, mgr._deferred_ack_poisoned_rooms = {}, set()
+        mgr.enable_deferred_decode_kv_release = False
+        mgr.deferred_bootstrap = None
+    return mgr
+
+
+def register(prefill: NixlKVManager, decode: NixlKVManager) -> KVArgsRegisterInfo:
+    """The decode's registration message, as the prefill's bootstrap thread handles it."""
+    message = decode.build_receiver_registration_message()
+    info = KVArgsRegisterInfo.from_zmq(message[1:])  # the thread strips the guard frame
+    prefill._add_remote_peer(info)
+    return info
+
+
+def open_room(prefill: NixlKVManager, decode: NixlKVManager, room: int, pages) -> TransferInfo:
+    message = decode.build_receiver_metadata_message(
+        bootstrap_room=room,
+        required_dst_info_num=1,
+        kv_indices=np.asarray(pages, dtype=np.int32),
+        aux_index=0,
+        state_indices=None,
+        decode_prefix_len=0,
+        is_dummy=False,
+    )
+    info = TransferInfo.from_zmq(message[1:])
+    prefill.transfer_infos[room] = {info.agent_name: info}
+    prefill.request_status[room] = KVPoll.WaitingForInput
+    return info
+
+
+def fill_random(pool, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for rows in pool.c4_indexer_kv_pool.contiguous_page_row_buffers():
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=generator))
+
+
+def wait_done(mgr: NixlKVManager, handle) -> None:
+    deadline = time.monotonic() + 20
+    while (state := mgr.agent.check_xfer_state(handle)) == "PROC":
+        assert time.monotonic() < deadline, "NIXL transfer did not finish"
+        time.sleep(0.001)
+    assert state == "DONE", state
+
+
+@pytest.mark.parametrize("dtype, row_bytes", [("bf16", 256 * 64), ("fp8", 132 * 64)])
+def test_registration_reports_index_k_rows_of_the_stored_dtype(pools, dtype, row_bytes):
+    pool = pools[f"{dtype} decode"]
+    ptrs, data_lens, item_lens = pool.get_contiguous_buf_infos()
+    entries = index_k_entries(pool)
+    assert len(entries) == 21  # DeepSeek-V4-Flash's c4 layers
+    rows = pool.c4_indexer_kv_pool.contiguous_page_row_buffers()
+    for position, buf in zip(entries, rows, strict=True):
+        assert item_lens[position] == row_bytes  # 64 index slots per 256-token page
+        assert data_lens[position] == buf.shape[0] * row_bytes
+    assert all(entries[0] <= p <= entries[-1] for p in entries)
+
+
+def test_bf16_index_k_pages_move_byte_exact_between_nixl_agents(pools):
+    prefill = manager(DisaggregationMode.PREFILL, pools["bf16 prefill"])
+    decode = manager(DisaggregationMode.DECODE, pools["bf16 decode"])
+    fill_random(pools["bf16 prefill"], seed=11)
+    fill_random(pools["bf16 decode"], seed=12)
+    src_rows = pools["bf16 prefill"].c4_indexer_kv_pool.contiguous_page_row_buffers()
+    dst_rows = pools["bf16 decode"].c4_indexer_kv_pool.contiguous_page_row_buffers()
+    dst_before = [rows.clone() for rows in dst_rows]
+
+    peer = register(prefill, decode)
+    assert peer.agent_name in prefill.prep_handles  # upstream prepared the NIXL lists
+    src_pages, dst_pages = [1, 2, 3], [4, 6, 7]
+    info = open_room(prefill, decode, room=7001, pages=dst_pages)
+    prefill.add_transfer_request(7001, np.asarray(src_pages, np.int32), slice(0, 3), False)
+    chunk = prefill.transfer_queues[0].get_nowait()
+    assert prefill.request_status[7001] == KVPoll.WaitingForInput
+
+    handle = prefill.send_kvcache(
+        info.agent_name,
+        chunk.prefill_kv_indices,
+        peer.dst_kv_ptrs,
+        info.dst_kv_indices[chunk.index_slice],
+        peer.gpu_id,
+        dst_mem_kind=peer.dst_homogeneous_mem_kind,
+    )
+    wait_done(prefill, handle)
+
+    for src, dst, before in zip(src_rows, dst_rows, dst_before, strict=True):
+        assert torch.equal(dst[dst_pages], src[src_pages])
+        untouched = [p for p in range(dst.shape[0]) if p not in dst_pages]
+        assert torch.equal(dst[untouched], before[untouched])
+    keys = pools["bf16 decode"].c4_indexer_kv_pool.get_index_k_bf16(0, torch.arange(4 * 64, 5 * 64))
+    assert torch.equal(keys.view(torch.uint8).flatten(), src_rows[0][1])
+
+
+@pytest.mark.parametrize(
+    "prefill_pool, decode_pool, ours, theirs",
+    [
+        # Upstream's lists would raise inside the bootstrap thread (stride 8448 < 16384).
+        (
+            "bf16 prefill",
+            "fp8 decode",
+            "bf16 index keys (16384 B per 64-slot page)",
+            "fp8 (8448 B)",
+        ),
+        # Upstream would accept this one and write 8448-B rows into 16384-B pages.
+        ("fp8 decode", "bf16 decode", "fp8 index keys (8448 B per 64-slot page)", "bf16 (16384 B)"),
+    ],
+)
+def test_mismatched_index_k_pairing_is_refused_and_its_rooms_fail_on_both_sides(
+    pools, caplog, prefill_pool, decode_pool, ours, theirs
+):
+    prefill = manager(DisaggregationMode.PREFILL, pools[prefill_pool])
+    decode = manager(DisaggregationMode.DECODE, pools[decode_pool])
+    caplog.set_level(logging.ERROR, logger="sglang.srt.disaggregation.nixl.conn")
+
+    peer = register(prefill, decode)
+    (prefill_line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "sglang.srt.disaggregation.nixl.conn" and r.levelno == logging.ERROR
+    ]
+    assert f"prefill stores {ours}" in prefill_line
+    assert f"decode {peer.agent_name} stores {theirs}" in prefill_line
+    assert peer.agent_name not in prefill.prep_handles  # no NIXL list to this peer
+
+    open_room(prefill, decode, room=7002, pages=[4, 5])
+    prefill.add_transfer_request(7002, np.asarray([1, 2], np.int32), slice(0, 2), False)
+    assert prefill.transfer_queues[0].empty()  # nothing queued for a transfer worker
+    assert prefill.request_status[7002] == KVPoll.Failed
+    assert prefill.failure_records[7002] == prefill_line
+
+    # What the decode's listener receives on its status endpoint; its scheduler logs the reason.
+    assert decode.server_socket.poll(5000), "no status message reached the decode"
+    room, status, _, reason = decode.parse_kv_status_message(decode.server_socket.recv_multipart())
+    assert (room, status, reason) == (7002, KVPoll.Failed, prefill_line)
