@@ -129,14 +129,14 @@ def test_wilson_interval_matches_published_values():
 def test_soak_measures_the_injected_rates(tmp_path):
     rate = 0.08
     flags = [item for flag in RATE_FLAGS.values() for item in (flag, str(rate))]
-    with running("--seed", "3", *flags) as url:
-        options = "--sessions 10 --turns 30 --target-context 12000 --concurrency 10".split()
+    with running("--seed", "4", *flags) as url:
+        options = "--sessions 20 --turns 15 --target-context 12000 --concurrency 10".split()
         done = soak("--base-url", url, *options, *outputs(tmp_path))
         truth = read_stats(url)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["errors"] == 0 and report["requests"] == report["responses"] == truth["responses"]
-    assert report["responses"] >= 300
+    assert report["responses"] >= 280
     for kind in KINDS:
         share = report["by_kind"][kind]
         assert share["count"] == truth["injected"][kind], kind
@@ -155,7 +155,7 @@ def test_soak_measures_the_injected_rates(tmp_path):
 
 def test_soak_reports_zero_over_500_clean_responses(tmp_path):
     with running("--seed", "5") as url:
-        options = "--sessions 16 --turns 33 --target-context 6000 --fail-above 0".split()
+        options = "--sessions 48 --turns 11 --target-context 6000 --fail-above 0".split()
         done = soak("--base-url", url, *options, *outputs(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
