@@ -3,23 +3,33 @@
 Register entry
   Target:      sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._dsv4_indexer_regions
                sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool._unaligned_transfer_error
+               sglang.srt.disaggregation.nixl.conn.NixlKVManager._add_remote_peer
+               sglang.srt.disaggregation.nixl.conn.NixlKVManager.add_transfer_request
   Why:         Index-K rows leave the device pool in two places: the HiCache host mirror
                (DeepSeekV4PagedHostPool) and the PD peer's pool. A copy that assumes another row
-               than the one stored corrupts keys silently. HiCache: upstream's token-granular copy
-               (transfer_cache_dsv4_mla) addresses 64-token pages of 584-B V4 C4 KV tokens
-               (value 576 B + scale 8 B, kvcacheio.cuh); a bf16 index row is 256 B/token (16384 B
-               per 64-slot page), so a token-granular transfer of it would scatter bytes.
+               than the one stored corrupts keys. HiCache: the token-granular copy
+               (transfer_cache_dsv4_mla) addresses 64-token pages of 584-B V4 C4 KV tokens (value
+               576 B + scale 8 B, kvcacheio.cuh); a bf16 index row is 256 B/token (16384 B per
+               64-slot page). PD: with prefill bf16 and decode fp8, upstream's prepared NIXL lists
+               raise inside the prefill bootstrap thread (stride 8448 < 16384) and requests hang;
+               with prefill fp8 and decode bf16 they are accepted and 8448-B rows land in
+               16384-B pages.
   How:         HiCache: the indexer regions take their row bytes from the live device buffers (one
-               page row: numel x element_size()) for every layout, and a bf16 pool's region is
+               page row: numel x element_size()) for every layout; a bf16 pool's region is
                whole-page only (page_aligned_only), so the token-granular copy never sees bf16
-               rows; a transfer that would need it stops with an error naming the row geometry
-               and why.
+               rows, and a transfer that would need it stops with an error naming the row bytes
+               and why. PD: when a decode registers, the prefill compares the item length of every
+               region the transfer pairs; any difference refuses the pairing (no NIXL list is
+               prepared) with one error line naming both index-K dtypes, and every room with that
+               peer fails at once with the same line, which decode receives as the room's failure
+               reason and logs.
   Upstream:    upstream 0.5.23 already sizes host rows from the live buffers
                (fused[0].shape[1] x element_size()) and refuses unaligned transfers on
-               page-aligned-only pools; it marks every fused index row token-granular-capable,
-               which bf16 rows are not.
-  Remove when: index-k-bf16 is upstream with its HiCache host mirror whole-page only (or a bf16
-               token-granular copy).
+               page-aligned-only pools, but marks every fused index row token-granular-capable;
+               PD compares item lengths only for PP-heterogeneous MLA and carries no index-K dtype.
+               Not upstream.
+  Remove when: index-k-bf16 is upstream with a whole-page-only bf16 host mirror (or a bf16
+               token-granular copy) and a PD registration check of item lengths.
 """
 
 from __future__ import annotations
@@ -235,27 +245,36 @@ FIX = Fix(
     why=(
         "Index-K rows leave the device pool for the HiCache host mirror (DeepSeekV4PagedHostPool) "
         "and for the PD peer's pool; a copy that assumes another row than the one stored corrupts "
-        "keys silently. Upstream's token-granular HiCache copy (transfer_cache_dsv4_mla) addresses "
-        "64-token pages of 584-B V4 C4 KV tokens; a bf16 index row is 256 B/token (16384 B per "
-        "64-slot page)."
+        "keys. Upstream's token-granular HiCache copy (transfer_cache_dsv4_mla) addresses 64-token "
+        "pages of 584-B V4 C4 KV tokens; a bf16 index row is 256 B/token (16384 B per 64-slot "
+        "page). On PD, prefill bf16 / decode fp8 makes upstream's NIXL lists raise inside the "
+        "prefill bootstrap thread (requests then hang); prefill fp8 / decode bf16 is accepted and "
+        "8448-B rows land in 16384-B pages."
     ),
     how=(
         "HiCache: _dsv4_indexer_regions takes each region's row bytes from the live device "
         "buffers (one page row, numel x element_size()) for every layout and marks a bf16 pool's "
         "region whole-page only, so bf16 rows never reach the token-granular copy; a transfer "
-        "that would need it stops with an error naming the row geometry and why."
+        "that would need it stops with an error naming the row bytes and why. PD: when a decode "
+        "registers, the prefill compares the item length of every region the transfer pairs; a "
+        "difference refuses the pairing before any NIXL list is prepared, with one error line "
+        "naming both index-K dtypes, and each room with that peer fails at once with that line "
+        "as the failure reason decode receives and logs."
     ),
     upstream=(
         "upstream 0.5.23 sizes host rows from the live buffers and refuses unaligned transfers "
-        "on page-aligned-only pools; it marks every fused index row token-granular-capable"
+        "on page-aligned-only pools, but marks every fused index row token-granular-capable; PD "
+        "compares item lengths only for PP-heterogeneous MLA. The rest is not upstream"
     ),
     remove_when=(
         "index-k-bf16 is upstream with a whole-page-only bf16 host mirror (or a bf16 "
-        "token-granular copy)."
+        "token-granular copy) and a PD registration check of item lengths."
     ),
     targets=(
         f"{_ASSEMBLER}._dsv4_indexer_regions",
         f"{_HOST}.DeepSeekV4PagedHostPool",
+        f"{_NIXL}.NixlKVManager._add_remote_peer",
+        f"{_NIXL}.NixlKVManager.add_transfer_request",
     ),
     replaces=(
         Replace(
