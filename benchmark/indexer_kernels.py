@@ -126,7 +126,7 @@ def measure_case(batch, keys, args, gen, upstream) -> dict:
             timings[name] = time_ms(lambda fn=fn: fn(*fp8_args), args.iters)
         except Exception as exc:  # e.g. TileLang without sm_120 support: say so, go on
             timings[name] = None
-            row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:200]
+            row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:200]
     row["ms"] = timings
     return row
 
