@@ -350,7 +350,7 @@ class Soak:
         tool_calls = [ToolCall(**calls[index]) for index in sorted(calls)]
         return Reply("".join(content) or None, tool_calls, finish_reason, prompt_tokens)
 
-    def record(self, session: int, step: int, stream: bool, context: int, reply: Reply) -> list:
+    def record(self, session: int, step: int, stream: bool, context: int, reply: Reply) -> None:
         tally = self.tally
         findings = check_response(reply.content, reply.tool_calls, TOOL_SCHEMAS)
         kinds = sorted({finding.kind for finding in findings})
@@ -380,7 +380,6 @@ class Soak:
                     ],
                 }
             )
-        return kinds
 
     async def session(self, index: int, progress: Progress, task) -> None:
         args = self.args
