@@ -569,6 +569,17 @@ def test_uncarried_distribution_import_is_refused(toy):
         toy.export([fix])
 
 
+def test_apply_to_a_used_directory_is_refused_before_any_work(tmp_path, capsys):
+    used = tmp_path / "tree"
+    used.mkdir()
+    (used / "notes.txt").write_text("someone's work")
+    argv = ["export-patches", "--out", str(tmp_path / "out"), "--apply-to", str(used)]
+    rc = cli.main(argv + ["--upstream-src", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "not an empty directory" in err
+    assert not (tmp_path / "out").exists() and (used / "notes.txt").read_text() == "someone's work"
+
+
 def test_missing_download_is_one_clear_error(tmp_path, monkeypatch, capsys):
     # pip with no index and nothing to find: what a machine without the registry sees
     empty = tmp_path / "wheels"

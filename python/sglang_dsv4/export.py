@@ -942,10 +942,16 @@ def export_series(fixes: Sequence[Fix], python_dir: Path, out: Path) -> list[Out
     return outcomes
 
 
+def require_fresh(dest: Path) -> None:
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ExportError(
+            f"{dest} is not an empty directory; the pristine tree goes into a fresh one"
+        )
+
+
 def apply_series(out: Path, python_dir: Path, dest: Path) -> list[str]:
     """Lay the pristine upstream tree out in `dest` as a git repository and `git am` the series."""
-    if dest.exists() and any(dest.iterdir()):
-        raise ExportError(f"{dest} is not empty; the pristine tree goes into a fresh directory")
+    require_fresh(dest)
     names = (out / "series").read_text().split()
     shutil.copytree(
         python_dir / "sglang",
@@ -987,6 +993,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     try:
+        if args.apply_to:
+            require_fresh(args.apply_to)
         python_dir = upstream_python_dir(args.upstream_src)
         from sglang_dsv4.fixes import FIXES  # imports upstream: after the cheap checks
 
