@@ -227,12 +227,12 @@ def add_transfer_request(
     worker = sum(info.dst_port for info in peers.values()) % len(self.transfer_queues)
     chunk = TransferKVChunk(
         room=bootstrap_room,
-        prefill_kv_indices=kv_indices,
-        index_slice=index_slice,
         is_last_chunk=is_last_chunk,
-        prefill_aux_index=aux_index,
-        state_indices=state_indices,
+        index_slice=index_slice,
+        prefill_kv_indices=kv_indices,
         num_kv_tokens=num_kv_tokens,
+        state_indices=state_indices,
+        prefill_aux_index=aux_index,
     )
     self.transfer_queues[worker].put(chunk)
     return None
