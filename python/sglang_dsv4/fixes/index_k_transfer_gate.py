@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-from sglang.srt.mem_cache.memory_pool import KVCache
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
 from sglang_dsv4.register import Add, Fix
 
@@ -112,7 +112,7 @@ def register_layer_transfer_counter(self, layer_transfer_counter):
                 f"these index-K / compress-state getters read without waiting for their layer "
                 f"(wait_layer_transfer) first: {', '.join(not_waiting)}"
             )
-    KVCache.register_layer_transfer_counter(self, layer_transfer_counter)
+    super(DeepSeekV4TokenToKVPool, self).register_layer_transfer_counter(layer_transfer_counter)
 
 
 FIX = Fix(
