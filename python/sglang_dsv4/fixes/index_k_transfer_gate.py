@@ -19,7 +19,8 @@ Register entry
                (set_*) and is not annotated to return a scalar (int, bool, str: a page size or a
                flag, not memory).
   Upstream:    upstream 0.5.23 gates its own getters (get_index_k_*, get_low_ratio_index_k_*,
-               get_*_compress_states all wait first); the startup check is not upstream.
+               get_*_compress_states all wait first); the start-up check is not upstream. The
+               contract test (test/behaviour/test_transfer_gate.py) runs on fp8 and bf16 pools.
   Remove when: upstream checks its layer-transfer gates itself (or keeps an equivalent test) and
                index-k-bf16 is upstream.
 """
@@ -55,7 +56,7 @@ def dsv4_is_layer_memory_getter(name: str, func) -> bool:
 def dsv4_layer_getters_not_waiting(self) -> list[str]:
     """Names of this pool's index-K / compress-state getters that do not wait first.
 
-    Each getter is called for one layer with a stand-in counter that records the wait and stops
+    Each getter is called for one layer with a probe counter that records the wait and stops
     the call there, so no getter touches memory or runs a kernel; every other argument is None,
     which a getter that waits first never reads.
     """
