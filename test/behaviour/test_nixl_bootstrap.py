@@ -280,52 +280,67 @@ def _swap(frames, index, value):
 
 
 PREFILL_CASES = {
-    "foreign bytes": (lambda p, r: [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"], True, False),
-    "foreign multi-frame": (lambda p, r: [b"\x00\xff" * 8, b"\x01", b"junk"], True, False),
-    "empty message": (lambda p, r: [b""], True, False),
-    "guard only": (lambda p, r: [GUARD], True, False),
-    "1 MiB foreign frame": (lambda p, r: [b"\xfe" * (1 << 20)], True, False),
-    "non-integer room": (lambda p, r: _swap(p.transfer_info(r), 1, b"room-7"), True, False),
-    "non-ascii room": (lambda p, r: _swap(p.transfer_info(r), 1, b"\xff\x01"), True, False),
+    # case: (build(peer, live room), kind logged when dropped or None if tolerated, fails room)
+    "foreign bytes": (lambda p, r: [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"], "foreign", False),
+    "foreign multi-frame": (lambda p, r: [b"\x00\xff" * 8, b"\x01", b"junk"], "foreign", False),
+    "empty message": (lambda p, r: [b""], "empty", False),
+    "guard only": (lambda p, r: [GUARD], "guard_only", False),
+    "1 MiB foreign frame": (lambda p, r: [b"\xfe" * (1 << 20)], "foreign", False),
+    "non-integer room": (
+        lambda p, r: _swap(p.transfer_info(r), 1, b"room-7"),
+        "transfer_info",
+        False,
+    ),
+    "non-ascii room": (
+        lambda p, r: _swap(p.transfer_info(r), 1, b"\xff\x01"),
+        "transfer_info",
+        False,
+    ),
     "undecodable agent name, live room": (
         lambda p, r: _swap(p.transfer_info(r), 4, b"\xff\xfe\xfd"),
-        True,
+        "transfer_info",
         True,
     ),
     "undecodable port, live room": (
         lambda p, r: _swap(p.transfer_info(r), 3, b"port?"),
-        True,
+        "transfer_info",
         True,
     ),
-    "truncated registration": (lambda p, r: p.registration()[:7], True, False),
+    "truncated registration": (lambda p, r: p.registration()[:7], "registration", False),
     "registration, undecodable pointers": (
         lambda p, r: _swap(p.registration(), 6, b"\x01\x02\x03"),
-        True,
+        "registration",
         False,
     ),
-    "truncated transfer info, live room": (lambda p, r: p.transfer_info(r)[:5], True, True),
-    "ABORT without room": (lambda p, r: [b"ABORT"], False, False),
-    "ABORT with a bad room": (lambda p, r: [b"ABORT", b"\xffroom"], False, False),
-    "ABORT for an unknown room": (lambda p, r: [b"ABORT", b"987654321"], False, False),
+    "truncated transfer info, live room": (
+        lambda p, r: p.transfer_info(r)[:5],
+        "transfer_info",
+        True,
+    ),
+    "ABORT without room": (lambda p, r: [b"ABORT"], None, False),
+    "ABORT with a bad room": (lambda p, r: [b"ABORT", b"\xffroom"], None, False),
+    "ABORT for an unknown room": (lambda p, r: [b"ABORT", b"987654321"], None, False),
     "ABORT, extra frames": (
         lambda p, r: [b"ABORT", b"987654322", b"10.0.0.9", b"port", b"x", b"y"],
-        False,
+        None,
         False,
     ),
-    "STAGING_RSP without staging": (lambda p, r: [b"STAGING_RSP", b"junk"], False, False),
+    "STAGING_RSP without staging": (lambda p, r: [b"STAGING_RSP", b"junk"], None, False),
 }
 
 
 @pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
 def test_prefill_thread_survives_bad_message_and_serves_the_next(prefill, peers, nixl_logs, case):
-    build, dropped, fails_live_room = PREFILL_CASES[case]
+    build, kind, fails_live_room = PREFILL_CASES[case]
+    dropped = kind is not None
     thread = prefill._start_bootstrap_thread()
     named = open_room(prefill)  # the live room a bad message may name
     waiting = open_room(prefill)  # the following valid ABORT's room
     peer = peers[0]
+    bad = build(peer, named)
     sender = Sender(prefill.rank_port)
     try:
-        sender.send(build(peer, named))
+        sender.send(bad)
         sender.send(peer.registration())
         sender.send(peer.abort(waiting))
         assert wait_until(lambda: prefill.request_status[waiting] == KVPoll.Failed), "ABORT lost"
@@ -339,7 +354,10 @@ def test_prefill_thread_survives_bad_message_and_serves_the_next(prefill, peers,
         lines = drop_lines(nixl_logs)
         assert len(lines) == int(dropped)
         if dropped:
-            assert "peer=" in lines[0] and "room=" in lines[0]
+            assert f"dropped a bad {kind} message" in lines[0]
+            names_peer = bad[0] == GUARD and bad[4:5] == [peer.name.encode()]
+            assert f"peer={peer.name}" in lines[0] if names_peer else "peer=" in lines[0]
+            assert f"room={named}" in lines[0] if fails_live_room else "room=" in lines[0]
             assert len(lines[0]) < 1000, "a log line must not carry the message"
         if fails_live_room:
             assert prefill.request_status[named] == KVPoll.Failed
@@ -772,10 +790,10 @@ def test_soak_four_senders_mixed_traffic(prefill, peers, nixl_logs):
             )
         print("\nsoak " + "\n     ".join(figures))
         print(f"     {served_lines[1]} drop log lines for {2 * rooms['bad']} bad messages")
-        # Rate-limited: one line per kind and 10 s whatever the number of bad messages (four
-        # kinds here: foreign, empty, registration, transfer_info).
-        assert served_lines[1] <= 4 * 2
-        assert len(prefill._control_drop_log) <= 4
+        # Rate-limited: one line per kind and 10 s whatever the number of bad messages (five
+        # kinds here: foreign, empty, guard_only, registration, transfer_info).
+        assert served_lines[1] <= 5 * 2
+        assert len(prefill._control_drop_log) <= 5
         # A dropped message whose frames, exception or traceback stayed alive would leave
         # several blocks each: 2,000 bad messages, at least 6,000 blocks.
         assert memory[2][0] - memory[1][0] < 1500, figures[1]

@@ -95,7 +95,9 @@ def _describe_nixl_control_message(
     tag = bytes(frames[0])
     if tag == GUARD:
         # After the guard: room ("None" for a registration), ip, port, agent name.
-        kind = "registration" if frames[1:2] == [b"None"] else "transfer_info"
+        if len(frames) == 1:
+            return "guard_only", None, None
+        kind = "registration" if frames[1] == b"None" else "transfer_info"
         return kind, text_at(4), room_at(1)
     # Tagged messages: tag -> (frame with the room, frame naming the sender).
     frame_of = {
@@ -131,16 +133,12 @@ def _start_decode_listener_thread(self):
     )
 
 
-def _start_control_thread(
-    self,
-    role: str,
-    handle_message,
-    fail_waiting_rooms,
-) -> threading.Thread:
+def _start_control_thread(self, role: str, handle_message, fail_waiting_rooms) -> threading.Thread:
     if not hasattr(self, "control_thread_events"):
         # (thread role, event) -> count, for this manager; the metric sums all managers.
         self.control_thread_events = {}
     if not hasattr(self, "_control_drop_log"):
+        # (thread role, message kind) -> (last logged, left out since): rate-limits drop lines.
         self._control_drop_log = {}
     # Created here, on the constructing thread, so the control threads never race to create it.
     self._control_thread_event_counter()
@@ -271,10 +269,13 @@ def _fail_live_room(self, room: int, reason: str) -> bool:
         return False
     if self.disaggregation_mode == DisaggregationMode.PREFILL:
         # Also tells the decode ranks this room reached, so they stop waiting too.
-        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-    else:
-        self.record_failure(room, reason)
-        self.update_status(room, KVPoll.Failed)
+        try:
+            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+            return True
+        except Exception:
+            logger.exception("Could not tell decode that room %s failed; failing it here", room)
+    self.record_failure(room, reason)
+    self.update_status(room, KVPoll.Failed)
     return True
 
 
