@@ -47,16 +47,20 @@ def test_upstream_loader_discovers_plugin_and_patches_every_target():
         load_plugins()
         from sglang_dsv4 import plugin
         from sglang_dsv4.fixes import FIXES
-        stale = []
-        for fix in FIXES:
-            for rep in fix.replaces:
-                _, _, current = plugin.resolve(rep.target)
-                original = getattr(current, "__wrapped__", None)
-                # No module may keep a `from X import Y` binding of the original.
-                for name, mod in list(sys.modules.items()):
-                    for attr, value in list(getattr(mod, "__dict__", {}).items()):
-                        if original is not None and value is original:
-                            stale.append(f"{name}.{attr}")
+        def stale_bindings():
+            # Scan inside a function: a module-level loop variable would itself be a binding.
+            found = []
+            for fix in FIXES:
+                for rep in fix.replaces:
+                    _, _, current = plugin.resolve(rep.target)
+                    original = getattr(current, "__wrapped__", None)
+                    # No module may keep a `from X import Y` binding of the original.
+                    for name, mod in list(sys.modules.items()):
+                        for attr, value in list(getattr(mod, "__dict__", {}).items()):
+                            if original is not None and value is original:
+                                found.append(f"{name}.{attr}")
+            return found
+        stale = stale_bindings()
         print(json.dumps({
             "eps": eps,
             "state": {k: v.status for k, v in plugin.STATE.items()},
