@@ -16,7 +16,6 @@ import inspect
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -112,6 +111,17 @@ def ring_table():
 
 def ring_area(self):
     return math.pi * self.radius**2
+
+
+class RingExtras:
+    def label(self):
+        """The ring's label.
+
+        Written as a method here; its strings must reach the patch unchanged.
+        """
+        banner = """ring
+  of radius """
+        return banner + str(self.radius)
 
 
 def area(width, height):
@@ -224,7 +234,11 @@ class Toy:
                 Replace(f"{TOY}.Ring.unit_ring", f.unit_ring, "(cls)"),
                 Replace(f"{TOY}.area", f.area, "(width, height)"),
             ),
-            adds=(Add(TOY, f.ring_table), Add(f"{TOY}.Ring", f.ring_area)),
+            adds=(
+                Add(TOY, f.ring_table),
+                Add(f"{TOY}.Ring", f.ring_area),
+                Add(f"{TOY}.Ring", f.RingExtras.label),
+            ),
             imports={TOY: ("import functools", "from dsv4_toy_kernels.ops import triple")},
             new_files={
                 "sglang.srt.dsv4_toy_ops": "dsv4_toy_kernels.ops",
@@ -297,8 +311,11 @@ def comparable(node: ast.FunctionDef) -> str:
 
 
 def source_def(func) -> ast.FunctionDef:
-    func = inspect.unwrap(getattr(func, "__func__", func))
-    return ast.parse(textwrap.dedent(inspect.getsource(func))).body[0]
+    """The def of `func` as its file has it (a method parses under `if True:`, strings intact)."""
+    source = inspect.getsource(inspect.unwrap(getattr(func, "__func__", func)))
+    if source[:1].isspace():
+        return ast.parse("if True:\n" + source).body[0].body[0]
+    return ast.parse(source).body[0]
 
 
 # --- the mechanism, on the synthetic tree -------------------------------------------------------
@@ -364,7 +381,7 @@ def test_toy_series_writes_the_functions_where_they_belong(toy):
     top = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     assert top == ["area", "Ring", "ring_table", "main"]
     ring_class = next(n for n in tree.body if isinstance(n, ast.ClassDef))
-    assert ring_class.body[-1].name == "ring_area"
+    assert [n.name for n in ring_class.body[-2:]] == ["ring_area", "label"]
     # the docstring follows the method's indentation; imports sorted into upstream's block
     assert (
         "\n        A second docstring line, which the patch indents with the method.\n" in patched
@@ -388,6 +405,7 @@ def test_toy_patched_tree_behaves_like_the_fix_functions(toy):
         "unit_radius": f.unit_ring(ring).radius,
         "area": f.area(2, 3),
         "ring_area": f.ring_area(ring(2)),
+        "label": f.RingExtras.label(ring(2)),
     }
     got = run_in_tree(
         patched_dir,
@@ -395,7 +413,7 @@ def test_toy_patched_tree_behaves_like_the_fix_functions(toy):
         "from sglang.srt.dsv4_export_toy import Ring, area\n"
         "print(json.dumps({'length': Ring(2).length(3), 'describe': Ring.describe(5),\n"
         "    'unit_radius': Ring.unit_ring().radius, 'area': area(2, 3),\n"
-        "    'ring_area': Ring(2).ring_area()}))",
+        "    'ring_area': Ring(2).ring_area(), 'label': Ring(2).label()}))",
     )
     assert got == expected
     # ... and the pristine toy tree still behaves as before (the child really used the patch)
@@ -440,6 +458,14 @@ def test_only_what_the_series_writes_changes(toy):
     assert "\nWEIGHTS = [1,2,\n    3]\n\ndef total(values):\n" in patched
     # our long line is wrapped to upstream's 88 columns
     assert max(len(line) for line in patched.split("def total")[1].splitlines()) <= 88
+
+
+def test_source_edited_after_import_is_refused(toy):
+    # the hook runs what was imported; a patch from an edited file would be another change
+    path = toy.tmp / "dsv4_toy_fix.py"
+    path.write_text(path.read_text().replace("turns * 1000", "turns * 100"))
+    with pytest.raises(export.ExportError, match="no longer holds the ring_length this process"):
+        toy.export([toy.main_fix()])
 
 
 def test_exporting_twice_gives_identical_bytes(toy):

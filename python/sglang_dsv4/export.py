@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -190,6 +191,7 @@ class Written:
 
 
 def _read_function(func, fix: Fix, target: str) -> tuple[Callable, cst.FunctionDef, str]:
+    """(plain function, its def as libcst node, source text that parses on its own)."""
     # the function under staticmethod / classmethod and functools.wraps-style decorators
     # (lru_cache, ...); its source carries those decorators
     plain = inspect.unwrap(func.__func__ if isinstance(func, (staticmethod, classmethod)) else func)
@@ -197,15 +199,64 @@ def _read_function(func, fix: Fix, target: str) -> tuple[Callable, cst.FunctionD
     if not inspect.isfunction(plain):
         raise ExportError(f"{where}: {func!r} is not a Python function")
     try:
-        source = textwrap.dedent(inspect.getsource(plain))
+        source = inspect.getsource(plain)
     except (OSError, TypeError) as exc:
         raise ExportError(
             f"{where}: cannot read the source of {plain.__qualname__} ({exc})"
         ) from None
+    # An indented def (a method in the fix module) parses under `if True:`, which keeps its
+    # multi-line strings as they are; libcst re-indents the statements where the def goes.
+    indented = source[:1].isspace()
+    if indented:
+        source = "if True:\n" + source
     body = cst.parse_module(source).body
+    if indented:
+        body = body[0].body.body
     if len(body) != 1 or not isinstance(body[0], cst.FunctionDef):
         raise ExportError(f"{where}: {plain.__qualname__} is not a plain `def` (a lambda?)")
+    # The patch is written from the file, the hook runs the imported code: they must be one.
+    if not _matches_file(plain.__code__):
+        raise ExportError(
+            f"{where}: {plain.__code__.co_filename} no longer holds the {plain.__qualname__} this "
+            "process imported (edited since?); run the export again"
+        )
     return plain, body[0], source
+
+
+def _matches_file(code) -> bool:
+    """Whether compiling `code`'s file now gives `code` again (same place, same bytecode)."""
+    try:
+        compiled = _compile_file(code.co_filename, Path(code.co_filename).read_text())
+    except (OSError, SyntaxError):
+        return False
+    pending = [compiled]
+    while pending:
+        candidate = pending.pop()
+        if (candidate.co_qualname, candidate.co_firstlineno) == (
+            code.co_qualname,
+            code.co_firstlineno,
+        ):
+            return _same_code(candidate, code)
+        pending.extend(c for c in candidate.co_consts if inspect.iscode(c))
+    return False
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_file(filename: str, text: str):
+    return compile(text, filename, "exec", dont_inherit=True)
+
+
+def _same_code(a, b) -> bool:
+    """Same bytecode, names and constants (line numbers aside)."""
+    fields = ("co_code", "co_names", "co_varnames", "co_freevars", "co_cellvars")
+    if any(getattr(a, f) != getattr(b, f) for f in fields) or len(a.co_consts) != len(b.co_consts):
+        return False
+    return all(
+        _same_code(x, y)
+        if inspect.iscode(x) and inspect.iscode(y)
+        else type(x) is type(y) and x == y
+        for x, y in zip(a.co_consts, b.co_consts, strict=True)
+    )
 
 
 def _check_class_safe(written: Written) -> None:
