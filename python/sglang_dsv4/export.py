@@ -3,9 +3,9 @@
 The patches are generated from the register alone (`sglang_dsv4.register`), from the very function
 objects the plugin installs, so the two deliveries cannot drift apart:
 
-- `Replace(target, func)`: the source of `func` (`inspect.getsource`, dedented) takes the place of
-  the original definition in upstream's file, renamed to the target's name and indented into its
-  class by libcst. Our decorators are kept; a `staticmethod` / `classmethod` of the original is
+- `Replace(target, func)`: the source of `func` (`inspect.getsource`) takes the place of the
+  original definition in upstream's file, renamed to the target's name and indented into its class
+  by libcst (strings untouched; ruff re-indents docstrings). Our decorators are kept; a `staticmethod` / `classmethod` of the original is
   restored, as upstream's HookRegistry restores it at runtime. Other decorators of the original are
   dropped (the runtime hook drops them too), with a note on stderr.
 - `Add(owner, func)`: inserted under its own name, at the end of the class body, or at module level
@@ -21,13 +21,15 @@ patched upstream module (its top-level definitions and imports outside `if TYPE_
 the series adds there, builtins), and the fix module must bind the same object (the function's
 globals at runtime are the fix module's): imported from that upstream module, from a declared
 import, or the added function itself. Zero-argument `super()` and name-mangled `__names` are
-refused in methods, as they behave differently inside and outside a class body.
+refused in methods, as they behave differently inside and outside a class body. The file a function
+is read from is compiled again and must give the bytecode the process imported (the hook runs that).
 
-Formatting: upstream formats with black and isort (profile black, line length 88). Only the blocks
-the series writes are formatted, with `ruff format --range` (black-compatible) in their real
-indentation context, so the rest of the file, formatted or not, never shows in a diff; imports are
-sorted by ruff's isort rules when the file was isort-clean before the change. New files are
-formatted whole.
+Formatting: upstream formats with black and isort (profile black, line length 88); ruff (pinned,
+black-compatible) stands in for both. Upstream's files the series touches are already formatted as
+ruff formats them (checked per file, each time), so the patched file is formatted whole and only
+what the series wrote changes; a file that is not gets each written def formatted alone
+(`ruff format --range`), so the rest never shows in a diff. Imports are sorted by ruff's isort
+rules when the file was isort-clean before the change. New files are formatted whole.
 
 Patches are `git format-patch` output from a scratch repository holding the pristine files the
 series touches: zero commit id, a fixed author and date, full blob ids, no signature, global git
@@ -510,7 +512,8 @@ def _only_imports(statement: cst.BaseStatement) -> bool:
 
 def _insert_imports(statements: list, lines: Sequence[cst.SimpleStatementLine]) -> list:
     """After the last import of the module's leading block, skipping those already there."""
-    have = {cst.Module(body=[s]).code.strip() for s in statements if _only_imports(s)}
+    code_of = cst.Module(body=[]).code_for_node
+    have = {code_of(small) for s in statements if _only_imports(s) for small in s.body}
     position = 0
     for i, statement in enumerate(statements):
         if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
@@ -518,7 +521,7 @@ def _insert_imports(statements: list, lines: Sequence[cst.SimpleStatementLine]) 
         if _only_imports(statement) or (i == 0 and _is_docstring(statement)):
             position = i + 1
     for line in lines:
-        code = cst.Module(body=[line]).code.strip()
+        code = code_of(line.body[0])
         if code not in have:
             statements.insert(position, line.with_changes(leading_lines=[]))
             have.add(code)
@@ -790,7 +793,12 @@ def check_names(w: Written, patched: ast.Module, future: bool, tree: Tree) -> No
                 "(not defined or imported there, not added by the series, not a builtin)"
             )
     runtime = w.func.__globals__
-    upstream = importlib.import_module(w.module)
+    try:
+        upstream = importlib.import_module(w.module)
+    except ImportError as exc:
+        raise ExportError(
+            f"{w.label}: cannot import {w.module} to compare bindings ({exc})"
+        ) from None
     for name in sorted(at_call | (at_def - class_names) - MODULE_DUNDERS):
         if (w.module, name) in tree.bindings:
             expected = tree.bindings[(w.module, name)]
