@@ -14,6 +14,7 @@ upstream modules only, so they work on upstream patched by the exported series t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -260,18 +261,10 @@ def build_pool(chain: Chain, config, device: str = "cpu"):
             kvc.device = "cpu"
         kvc.device = device
         try:
-            return kvc._build_dsv4_kv_pool(
-                max_running_requests=sizes.max_running_requests,
-                full_max_total_num_tokens=sizes.full_max_total_num_tokens,
-                swa_max_total_num_tokens=sizes.swa_max_total_num_tokens,
-                c4_max_total_num_tokens=sizes.c4_max_total_num_tokens,
-                c128_max_total_num_tokens=sizes.c128_max_total_num_tokens,
-                c4_state_pool_size=sizes.c4_state_pool_size,
-                c128_state_pool_size=sizes.c128_state_pool_size,
-                c4_state_dtype=sizes.c4_state_dtype,
-                c128_state_dtype=sizes.c128_state_dtype,
-                req_to_token_pool=req_to_token_pool,
-            )
+            # The builder takes the derived sizes by keyword; pass every one it names.
+            wanted = inspect.signature(kvc._build_dsv4_kv_pool).parameters
+            sized = {name: getattr(sizes, name) for name in wanted if hasattr(sizes, name)}
+            return kvc._build_dsv4_kv_pool(**sized, req_to_token_pool=req_to_token_pool)
         finally:
             kvc.device = "cpu"
 
