@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchmark.arg_types import positive_float, positive_int, rate
 from benchmark.corruption import KINDS, ToolCall, check_response
 
 Z95 = 1.959964  # two-sided 95 % normal quantile
@@ -546,27 +547,6 @@ def print_report(report: dict, console: Console) -> None:
         console.print("[yellow]stopped at --max-duration before every session finished[/]")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a rate is between 0 and 1, not {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.dsml_soak",
@@ -578,17 +558,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
-    parser.add_argument("--sessions", type=_positive, default=64)
-    parser.add_argument("--turns", type=_positive, default=40, help="requests per session, at most")
+    parser.add_argument("--sessions", type=positive_int, default=64)
+    parser.add_argument(
+        "--turns", type=positive_int, default=40, help="requests per session, at most"
+    )
     parser.add_argument(
         "--target-context",
-        type=_positive,
+        type=positive_int,
         default=80_000,
         help="prompt tokens a session grows to (default 80000)",
     )
     parser.add_argument(
         "--concurrency",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="requests in flight at most (default: one per session)",
     )
@@ -598,15 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixed",
         help="mixed: even-numbered sessions stream, odd ones do not",
     )
-    parser.add_argument("--max-tokens", type=_positive, default=1024)
+    parser.add_argument("--max-tokens", type=positive_int, default=1024)
     parser.add_argument("--temperature", type=float, default=None, help="default: the server's")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--timeout", type=_positive_float, default=600.0, help="seconds per request"
-    )
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request")
     parser.add_argument(
         "--max-duration",
-        type=_positive_float,
+        type=positive_float,
         default=4 * 3600.0,
         help="seconds before no new request starts",
     )
@@ -614,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--examples", metavar="OUT.jsonl", help="write each corrupt response")
     parser.add_argument(
         "--fail-above",
-        type=_rate,
+        type=rate,
         default=None,
         metavar="RATE",
         help="exit 3 when the corruption rate is above RATE (e.g. 0.001)",

@@ -35,6 +35,7 @@ from pathlib import Path
 from aiohttp import web
 
 from benchmark import dsml
+from benchmark.arg_types import rate, seconds
 from benchmark.corruption import KINDS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -395,20 +396,6 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a rate is between 0 and 1, not {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"seconds cannot be negative: {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.mock_server",
@@ -420,24 +407,24 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, flag in RATE_FLAGS.items():
         parser.add_argument(
             flag,
-            type=_rate,
+            type=rate,
             default=0.0,
             dest=f"rate_{kind}",
             help=f"share of answers corrupted with {kind}",
         )
     parser.add_argument(
-        "--http-error-rate", type=_rate, default=0.0, help="share answered 500/503/429"
+        "--http-error-rate", type=rate, default=0.0, help="share answered 500/503/429"
     )
     parser.add_argument(
-        "--stall-rate", type=_rate, default=0.0, help="share held for --stall-seconds first"
+        "--stall-rate", type=rate, default=0.0, help="share held for --stall-seconds first"
     )
-    parser.add_argument("--stall-seconds", type=_seconds, default=30.0)
-    parser.add_argument("--ttft", type=_seconds, default=0.0, help="seconds before the first token")
-    parser.add_argument("--itl", type=_seconds, default=0.0, help="seconds between streamed tokens")
+    parser.add_argument("--stall-seconds", type=seconds, default=30.0)
+    parser.add_argument("--ttft", type=seconds, default=0.0, help="seconds before the first token")
+    parser.add_argument("--itl", type=seconds, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--unhealthy", action="store_true", help="answer /health with 503")
     parser.add_argument(
         "--exit-after",
-        type=_seconds,
+        type=seconds,
         default=0.0,
         help="stop after this many seconds (0: run until stopped)",
     )

@@ -25,6 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmark.arg_types import positive_int
+
 BENCH_MODULE = "sglang.benchmark.serving"
 
 # (result key, column title); the result keys are bench_serving's, per_request_tok_s is ours.
@@ -237,13 +239,6 @@ def load_report(path: str, what: str) -> dict:
         raise Failure(f"cannot use {path} as {what}: {exc}") from None
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.throughput",
@@ -254,12 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer", help="tokenizer path or id (default: the server's /model_info)"
     )
-    parser.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 32])
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 32])
     parser.add_argument(
-        "--num-prompts", type=_positive, default=64, help="requests per concurrency"
+        "--num-prompts", type=positive_int, default=64, help="requests per concurrency"
     )
-    parser.add_argument("--input-len", type=_positive, default=1024)
-    parser.add_argument("--output-len", type=_positive, default=256)
+    parser.add_argument("--input-len", type=positive_int, default=1024)
+    parser.add_argument("--output-len", type=positive_int, default=256)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--dataset",

@@ -680,21 +680,16 @@ class Outcome:
 
 def _written_functions(fix: Fix, tree: Tree) -> list[Written]:
     result = []
-    for rep in fix.replaces:
-        where = f"fix {fix.id}: target {rep.target}"
-        module, _, names = tree.split(rep.target, where)
-        func, node, source = _read_function(rep.func, fix, rep.target)
+    # (function, target, replaces an original): replacements first, then additions.
+    jobs = [(r.func, r.target, True) for r in fix.replaces]
+    jobs += [(a.func, a.target, False) for a in fix.adds]
+    for hooked, target, replaces in jobs:
+        where = f"fix {fix.id}: target {target}"
+        module, _, names = tree.split(target, where)
+        func, node, source = _read_function(hooked, fix, target)
         label = f"{where} (function {func.__name__})"
         result.append(
-            Written(fix, rep.func, func, node, source, module, names[:-1], names[-1], label, True)
-        )
-    for add in fix.adds:
-        where = f"fix {fix.id}: target {add.target}"
-        module, _, names = tree.split(add.target, where)
-        func, node, source = _read_function(add.func, fix, add.target)
-        label = f"{where} (function {func.__name__})"
-        result.append(
-            Written(fix, add.func, func, node, source, module, names[:-1], names[-1], label, False)
+            Written(fix, hooked, func, node, source, module, names[:-1], names[-1], label, replaces)
         )
     return result
 

@@ -29,14 +29,12 @@ import psutil
 import pytest
 import requests
 import zmq
-from nixl._api import nixl_agent, nixl_agent_config
 from prometheus_client import REGISTRY
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.nixl.conn import GUARD, NixlKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.utils.network import get_zmq_socket_on_host
+from support.nixl import HOST, listen_as_single_rank, track_rooms, ucx_agent
 
-HOST = "127.0.0.1"
 ABORTED = "Aborted by decode-side abort notification."
 METRIC = "sglang:nixl_control_thread_events_total"
 
@@ -62,21 +60,15 @@ def metric(thread: str, event: str) -> float:
 
 # --- real NIXL agents (UCX), shared: creating one takes a few hundred ms ----------------------
 
-_agent_names = itertools.count()
-
-
-def new_agent(role: str):
-    return nixl_agent(f"{role}-{next(_agent_names)}", nixl_agent_config(backends=["UCX"]))
-
 
 @pytest.fixture(scope="module")
 def prefill_agent():
-    return new_agent("prefill")
+    return ucx_agent("prefill")
 
 
 @pytest.fixture(scope="module")
 def decode_agents():
-    return [new_agent("decode") for _ in range(4)]
+    return [ucx_agent("decode") for _ in range(4)]
 
 
 # --- managers: the stand-in described in the module docstring ---------------------------------
@@ -106,22 +98,8 @@ def bare_manager(mode: DisaggregationMode, agent, engine_rank: int) -> NixlKVMan
     mgr.is_mla_backend = True  # DeepSeek-V4 is MLA
     mgr.is_hybrid_mla_backend = False
     mgr._kv_replica_factor = None
-    mgr.attn_tp_size, mgr.attn_tp_rank = 1, 0
-    mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0
-    mgr.pp_size, mgr.pp_rank = 1, 0
-    mgr.dcp_size, mgr.dcp_rank = 1, 0
-    mgr.local_ip = HOST
-    mgr._zmq_ctx = zmq.Context()
-    mgr.rank_port, mgr.server_socket = get_zmq_socket_on_host(mgr._zmq_ctx, zmq.PULL, host=HOST)
-    mgr.request_status = {}
-    mgr.failure_records = {}
-    mgr.failure_lock = threading.Lock()
-    mgr._socket_cache, mgr._monitor_cache, mgr._socket_send_locks = {}, {}, {}
-    mgr._socket_lock = threading.Lock()
-    mgr._staging_outstanding = defaultdict(int)
-    mgr._deferred_ack_targets = {}
-    mgr._deferred_ack_poisoned_rooms = set()
-    mgr.enable_deferred_decode_kv_release = False
+    listen_as_single_rank(mgr)
+    track_rooms(mgr)
     mgr.enable_staging = False
     mgr._staging_handler = None
     if mode == DisaggregationMode.PREFILL:

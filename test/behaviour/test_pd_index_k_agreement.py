@@ -19,18 +19,13 @@ the chunk it would dequeue.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
-import threading
 import time
-from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
-import zmq
-from nixl._api import nixl_agent, nixl_agent_config
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.nixl.conn import (
     KVArgsRegisterInfo,
@@ -39,13 +34,11 @@ from sglang.srt.disaggregation.nixl.conn import (
     num_kv_slots,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.utils.network import get_zmq_socket_on_host
 from support.dsv4 import small_pool
+from support.nixl import listen_as_single_rank, track_rooms, ucx_agent
 
-HOST = "127.0.0.1"
 PAGE = 256
 INDEX_PAGE_SLOTS = PAGE // 4  # c4 index slots per page
-_names = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +78,10 @@ def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
     mgr = object.__new__(NixlKVManager)
     mgr.disaggregation_mode = mode
     mgr.kv_args = kv_args_of(pool)
-    mgr.agent = nixl_agent(f"{mode.value}-{next(_names)}", nixl_agent_config(backends=["UCX"]))
+    mgr.agent = ucx_agent(mode.value)
     mgr.register_buffer_to_engine()
     mgr.is_mla_backend, mgr.is_hybrid_mla_backend = False, True  # DeepSeek-V4's pools
-    mgr.attn_tp_size, mgr.attn_tp_rank = 1, 0
-    mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0
-    mgr.pp_size, mgr.pp_rank = 1, 0
-    mgr.dcp_size, mgr.dcp_rank = 1, 0
-    mgr.local_ip = HOST
-    mgr._zmq_ctx = zmq.Context()
-    mgr.rank_port, mgr.server_socket = get_zmq_socket_on_host(mgr._zmq_ctx, zmq.PULL, host=HOST)
+    listen_as_single_rank(mgr)
     mgr.enable_staging = False
     if mode == DisaggregationMode.PREFILL:
         mgr.src_mem_kind = "DRAM"
@@ -103,13 +90,7 @@ def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
         mgr._prepared_state_plans, mgr._state_layout_rejections = {}, {}
         mgr._prepared_state_components = frozenset()
         mgr.transfer_queues = [queue.SimpleQueue()]  # what workers read; can say it is empty
-        mgr.request_status, mgr.failure_records = {}, {}
-        mgr.failure_lock, mgr._socket_lock = threading.Lock(), threading.Lock()
-        mgr._socket_cache, mgr._monitor_cache = {}, {}
-        mgr._socket_send_locks = defaultdict(threading.Lock)
-        mgr._staging_outstanding = defaultdict(int)
-        mgr._deferred_ack_targets, mgr._deferred_ack_poisoned_rooms = {}, set()
-        mgr.enable_deferred_decode_kv_release = False
+        track_rooms(mgr)
         mgr.deferred_bootstrap = None
     return mgr
 
