@@ -24,6 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+# Named here rather than imported from sglang_dsv4.fixes: these builders also serve the run on
+# upstream patched by the exported series, which imports no fix module.
 INDEX_K_DTYPE_ENV = "SGLANG_DSV4_INDEX_K_DTYPE"
 INDEX_K_DTYPES = ("fp8", "bf16", "fp4")
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN")
