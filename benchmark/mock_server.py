@@ -3,8 +3,9 @@
     python -m benchmark.mock_server --port 8123 --leak-rate 0.05 --http-error-rate 0.01
 
 It listens on 127.0.0.1 only and serves what the benchmarks use: /v1/chat/completions (plain and
-streamed, tool calls included), /v1/models, /health, /health_generate, and /mock/stats, which
-counts what it injected so a test can compare a measurement with the truth.
+streamed, tool calls included), /v1/models, /health, /health_generate, /metrics (the Prometheus
+counters the release gate reads: sanitizer violations, NIXL control-thread events), and
+/mock/stats, which counts what it injected so a test can compare a measurement with the truth.
 
 Answers are a pure function of the request (a hash of the seed and the messages picks the tool
 call, the text and the corruption), like a model at temperature 0, so a run is reproducible
@@ -32,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import prometheus_client
 from aiohttp import web
 
 from benchmark import dsml
@@ -55,6 +57,18 @@ RATE_FLAGS = {
     "repetition": "--repetition-rate",
 }
 COMMANDS = ("pytest -q", "git status", "make lint", "ls -la", "python -m build", "git diff --stat")
+# The counters a DeepSeek-V4 server of this distribution exposes on /metrics, as it names them.
+SANITIZER_METRIC = "sglang:dsv4_sanitizer_violations_total"
+SANITIZER_KINDS = (
+    "use_after_free",
+    "foreign_page",
+    "double_owner",
+    "over_commit",
+    "unwritten_read",
+    "shadow_mismatch",
+    "pd_checksum",
+)
+NIXL_METRIC = "sglang:nixl_control_thread_events_total"
 
 
 @dataclass
@@ -68,6 +82,9 @@ class Settings:
     ttft: float = 0.0
     itl: float = 0.0
     unhealthy: bool = False
+    sanitizer: bool = False  # expose the sanitizer's counter (every kind at zero to begin with)
+    sanitizer_violations: tuple[str, ...] = ()  # kinds counted once per chat answer
+    nixl_death: bool = False  # the prefill bootstrap thread dies once, at the first chat answer
 
 
 @dataclass
@@ -255,8 +272,47 @@ def _completion_tokens(answer: Answer) -> int:
     return tokens + sum(max(1, len(a) // 4) for _, a in answer.tool_calls)
 
 
+class Metrics:
+    """What the mock's /metrics shows: the counters of a server with the sanitizer on or off, and
+    the NIXL control-thread events, which (as under upstream's multiprocess collector) have no
+    sample until something is counted."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.registry = prometheus_client.CollectorRegistry()
+        self.nixl = prometheus_client.Counter(
+            NIXL_METRIC,
+            "NIXL connector control-thread events",
+            ["thread", "event"],
+            registry=self.registry,
+        )
+        self.sanitizer = None
+        if settings.sanitizer or settings.sanitizer_violations:
+            self.sanitizer = prometheus_client.Counter(
+                SANITIZER_METRIC,
+                "DeepSeek-V4 KV sanitizer violations",
+                ["kind"],
+                registry=self.registry,
+            )
+            for kind in SANITIZER_KINDS:
+                self.sanitizer.labels(kind=kind)
+
+    def answered(self, stats: Counter) -> None:
+        """Count the faults this mock was told to show, as one chat answer goes out."""
+        for kind in self.settings.sanitizer_violations:
+            self.sanitizer.labels(kind=kind).inc()
+            stats[f"sanitizer:{kind}"] += 1
+        if self.settings.nixl_death and not stats["nixl_deaths"]:
+            self.nixl.labels(thread="prefill_bootstrap", event="death").inc()
+            stats["nixl_deaths"] += 1
+
+    def exposition(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
 def build_app(settings: Settings) -> web.Application:
     model = MockModel(settings)
+    metrics = Metrics(settings)
 
     async def health(request: web.Request) -> web.Response:
         if settings.unhealthy:
@@ -282,8 +338,15 @@ def build_app(settings: Settings) -> web.Application:
                 "http_errors": model.stats["http_errors"],
                 "stalls": model.stats["stalls"],
                 "injected": injected,
+                "sanitizer_violations": {
+                    kind: model.stats[f"sanitizer:{kind}"] for kind in SANITIZER_KINDS
+                },
+                "nixl_deaths": model.stats["nixl_deaths"],
             }
         )
+
+    async def prometheus(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     async def chat(request: web.Request) -> web.StreamResponse:
         try:
@@ -320,6 +383,7 @@ def build_app(settings: Settings) -> web.Application:
             await asyncio.sleep(settings.ttft + settings.itl * usage["completion_tokens"])
             response = web.json_response(_completion(answer, usage))
         model.stats["responses"] += 1
+        metrics.answered(model.stats)
         return response
 
     def _completion(answer: Answer, usage: dict) -> dict:
@@ -388,6 +452,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/health_generate", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/mock/stats", stats)
+    app.router.add_get("/metrics", prometheus)
     app.router.add_post("/v1/chat/completions", chat)
     return app
 
@@ -422,6 +487,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttft", type=seconds, default=0.0, help="seconds before the first token")
     parser.add_argument("--itl", type=seconds, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--unhealthy", action="store_true", help="answer /health with 503")
+    parser.add_argument(
+        "--sanitizer",
+        action="store_true",
+        help=f"/metrics shows {SANITIZER_METRIC} (the sanitizer is on), every kind at 0",
+    )
+    parser.add_argument(
+        "--sanitizer-violation",
+        action="append",
+        default=[],
+        choices=SANITIZER_KINDS,
+        metavar="KIND",
+        help="count one sanitizer violation of KIND with every chat answer (implies --sanitizer)",
+    )
+    parser.add_argument(
+        "--nixl-death",
+        action="store_true",
+        help=f"count one prefill_bootstrap thread death in {NIXL_METRIC} at the first chat answer",
+    )
     parser.add_argument(
         "--exit-after",
         type=seconds,
@@ -466,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         ttft=args.ttft,
         itl=args.itl,
         unhealthy=args.unhealthy,
+        sanitizer=args.sanitizer,
+        sanitizer_violations=tuple(args.sanitizer_violation),
+        nixl_death=args.nixl_death,
     )
     try:
         asyncio.run(serve(settings, args.port, args.exit_after))
