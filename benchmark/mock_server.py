@@ -84,7 +84,9 @@ class Settings:
     unhealthy: bool = False
     sanitizer: bool = False  # expose the sanitizer's counter (every kind at zero to begin with)
     sanitizer_violations: tuple[str, ...] = ()  # kinds counted once per chat answer
-    nixl_death: bool = False  # the prefill bootstrap thread dies once, at the first chat answer
+    nixl_death: str | None = None  # this control thread dies once, at the first chat answer
+    slow_after: int | None = None  # chat requests served at full speed; later ones use slow_itl
+    slow_itl: float = 0.0
 
 
 @dataclass
@@ -303,7 +305,7 @@ class Metrics:
             self.sanitizer.labels(kind=kind).inc()
             stats[f"sanitizer:{kind}"] += 1
         if self.settings.nixl_death and not stats["nixl_deaths"]:
-            self.nixl.labels(thread="prefill_bootstrap", event="death").inc()
+            self.nixl.labels(thread=self.settings.nixl_death, event="death").inc()
             stats["nixl_deaths"] += 1
 
     def exposition(self) -> bytes:
@@ -338,6 +340,7 @@ def build_app(settings: Settings) -> web.Application:
                 "http_errors": model.stats["http_errors"],
                 "stalls": model.stats["stalls"],
                 "injected": injected,
+                "injected_with_tools": model.stats["injected_with_tools"],
                 "sanitizer_violations": {
                     kind: model.stats[f"sanitizer:{kind}"] for kind in SANITIZER_KINDS
                 },
@@ -368,9 +371,14 @@ def build_app(settings: Settings) -> web.Application:
         if fault == "stall":
             model.stats["stalls"] += 1
             await asyncio.sleep(settings.stall_seconds)
+        itl = settings.itl
+        if settings.slow_after is not None and model.stats["requests"] > settings.slow_after:
+            itl = settings.slow_itl
         answer = model.answer(body)
         if answer.injected:
             model.stats[f"injected:{answer.injected}"] += 1
+            # Tool-using clients (the soak) apart from the rest (bench_serving), which share a run.
+            model.stats["injected_with_tools"] += bool(body.get("tools"))
         usage = {
             "prompt_tokens": _prompt_tokens(body),
             "completion_tokens": _completion_tokens(answer),
@@ -378,9 +386,9 @@ def build_app(settings: Settings) -> web.Application:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            response = await _stream(request, answer, usage if include_usage else None)
+            response = await _stream(request, answer, usage if include_usage else None, itl)
         else:
-            await asyncio.sleep(settings.ttft + settings.itl * usage["completion_tokens"])
+            await asyncio.sleep(settings.ttft + itl * usage["completion_tokens"])
             response = web.json_response(_completion(answer, usage))
         model.stats["responses"] += 1
         metrics.answered(model.stats)
@@ -400,7 +408,7 @@ def build_app(settings: Settings) -> web.Application:
         }
 
     async def _stream(
-        request: web.Request, answer: Answer, usage: dict | None
+        request: web.Request, answer: Answer, usage: dict | None, itl: float
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -419,7 +427,7 @@ def build_app(settings: Settings) -> web.Application:
 
         await send({"role": "assistant", "content": ""}, pause=settings.ttft)
         for piece in _pieces(answer.content) if answer.content else []:
-            await send({"content": piece}, pause=settings.itl)
+            await send({"content": piece}, pause=itl)
         for index, call in enumerate(_tool_call_objects(answer)):
             head = {
                 "index": index,
@@ -427,11 +435,11 @@ def build_app(settings: Settings) -> web.Application:
                 "type": "function",
                 "function": {"name": call["function"]["name"], "arguments": ""},
             }
-            await send({"tool_calls": [head]}, pause=settings.itl)
+            await send({"tool_calls": [head]}, pause=itl)
             arguments = call["function"]["arguments"]
             for start in range(0, len(arguments), 16):
                 piece = {"index": index, "function": {"arguments": arguments[start : start + 16]}}
-                await send({"tool_calls": [piece]}, pause=settings.itl)
+                await send({"tool_calls": [piece]}, pause=itl)
         await send({}, finish_reason=answer.finish_reason)
         if usage is not None:
             tail = {
@@ -502,8 +510,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nixl-death",
-        action="store_true",
-        help=f"count one prefill_bootstrap thread death in {NIXL_METRIC} at the first chat answer",
+        choices=("prefill_bootstrap", "decode_listener"),
+        metavar="THREAD",
+        help=f"count one death of this NIXL control thread in {NIXL_METRIC} at the first chat answer",
+    )
+    parser.add_argument(
+        "--slow-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="slow down after N chat requests: later ones stream --slow-itl apart",
+    )
+    parser.add_argument(
+        "--slow-itl", type=seconds, default=0.05, help="seconds between tokens once slow"
     )
     parser.add_argument(
         "--exit-after",
@@ -552,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         sanitizer=args.sanitizer,
         sanitizer_violations=tuple(args.sanitizer_violation),
         nixl_death=args.nixl_death,
+        slow_after=args.slow_after,
+        slow_itl=args.slow_itl,
     )
     try:
         asyncio.run(serve(settings, args.port, args.exit_after))
