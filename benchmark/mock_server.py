@@ -3,8 +3,9 @@
     python -m benchmark.mock_server --port 8123 --leak-rate 0.05 --http-error-rate 0.01
 
 It listens on 127.0.0.1 only and serves what the benchmarks use: /v1/chat/completions (plain and
-streamed, tool calls included), /v1/models, /health, /health_generate, and /mock/stats, which
-counts what it injected so a test can compare a measurement with the truth.
+streamed, tool calls included), /v1/models, /health, /health_generate, /metrics (the Prometheus
+counters the release gate reads: sanitizer violations, NIXL control-thread events), and
+/mock/stats, which counts what it injected so a test can compare a measurement with the truth.
 
 Answers are a pure function of the request (a hash of the seed and the messages picks the tool
 call, the text and the corruption), like a model at temperature 0, so a run is reproducible
@@ -32,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import prometheus_client
 from aiohttp import web
 
 from benchmark import dsml
@@ -55,6 +57,18 @@ RATE_FLAGS = {
     "repetition": "--repetition-rate",
 }
 COMMANDS = ("pytest -q", "git status", "make lint", "ls -la", "python -m build", "git diff --stat")
+# The counters a DeepSeek-V4 server of this distribution exposes on /metrics, as it names them.
+SANITIZER_METRIC = "sglang:dsv4_sanitizer_violations_total"
+SANITIZER_KINDS = (
+    "use_after_free",
+    "foreign_page",
+    "double_owner",
+    "over_commit",
+    "unwritten_read",
+    "shadow_mismatch",
+    "pd_checksum",
+)
+NIXL_METRIC = "sglang:nixl_control_thread_events_total"
 
 
 @dataclass
@@ -68,6 +82,11 @@ class Settings:
     ttft: float = 0.0
     itl: float = 0.0
     unhealthy: bool = False
+    sanitizer: bool = False  # expose the sanitizer's counter (every kind at zero to begin with)
+    sanitizer_violations: tuple[str, ...] = ()  # kinds counted once per chat answer
+    nixl_death: str | None = None  # this control thread dies once, at the first chat answer
+    slow_after: int | None = None  # chat requests served at full speed; later ones use slow_itl
+    slow_itl: float = 0.0
 
 
 @dataclass
@@ -255,8 +274,47 @@ def _completion_tokens(answer: Answer) -> int:
     return tokens + sum(max(1, len(a) // 4) for _, a in answer.tool_calls)
 
 
+class Metrics:
+    """What the mock's /metrics shows: the counters of a server with the sanitizer on or off, and
+    the NIXL control-thread events, which (as under upstream's multiprocess collector) have no
+    sample until something is counted."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.registry = prometheus_client.CollectorRegistry()
+        self.nixl = prometheus_client.Counter(
+            NIXL_METRIC,
+            "NIXL connector control-thread events",
+            ["thread", "event"],
+            registry=self.registry,
+        )
+        self.sanitizer = None
+        if settings.sanitizer or settings.sanitizer_violations:
+            self.sanitizer = prometheus_client.Counter(
+                SANITIZER_METRIC,
+                "DeepSeek-V4 KV sanitizer violations",
+                ["kind"],
+                registry=self.registry,
+            )
+            for kind in SANITIZER_KINDS:
+                self.sanitizer.labels(kind=kind)
+
+    def answered(self, stats: Counter) -> None:
+        """Count the faults this mock was told to show, as one chat answer goes out."""
+        for kind in self.settings.sanitizer_violations:
+            self.sanitizer.labels(kind=kind).inc()
+            stats[f"sanitizer:{kind}"] += 1
+        if self.settings.nixl_death and not stats["nixl_deaths"]:
+            self.nixl.labels(thread=self.settings.nixl_death, event="death").inc()
+            stats["nixl_deaths"] += 1
+
+    def exposition(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
 def build_app(settings: Settings) -> web.Application:
     model = MockModel(settings)
+    metrics = Metrics(settings)
 
     async def health(request: web.Request) -> web.Response:
         if settings.unhealthy:
@@ -282,8 +340,16 @@ def build_app(settings: Settings) -> web.Application:
                 "http_errors": model.stats["http_errors"],
                 "stalls": model.stats["stalls"],
                 "injected": injected,
+                "injected_with_tools": model.stats["injected_with_tools"],
+                "sanitizer_violations": {
+                    kind: model.stats[f"sanitizer:{kind}"] for kind in SANITIZER_KINDS
+                },
+                "nixl_deaths": model.stats["nixl_deaths"],
             }
         )
+
+    async def prometheus(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     async def chat(request: web.Request) -> web.StreamResponse:
         try:
@@ -305,9 +371,14 @@ def build_app(settings: Settings) -> web.Application:
         if fault == "stall":
             model.stats["stalls"] += 1
             await asyncio.sleep(settings.stall_seconds)
+        itl = settings.itl
+        if settings.slow_after is not None and model.stats["requests"] > settings.slow_after:
+            itl = settings.slow_itl
         answer = model.answer(body)
         if answer.injected:
             model.stats[f"injected:{answer.injected}"] += 1
+            # Tool-using clients (the soak) apart from the rest (bench_serving), which share a run.
+            model.stats["injected_with_tools"] += bool(body.get("tools"))
         usage = {
             "prompt_tokens": _prompt_tokens(body),
             "completion_tokens": _completion_tokens(answer),
@@ -315,11 +386,12 @@ def build_app(settings: Settings) -> web.Application:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            response = await _stream(request, answer, usage if include_usage else None)
+            response = await _stream(request, answer, usage if include_usage else None, itl)
         else:
-            await asyncio.sleep(settings.ttft + settings.itl * usage["completion_tokens"])
+            await asyncio.sleep(settings.ttft + itl * usage["completion_tokens"])
             response = web.json_response(_completion(answer, usage))
         model.stats["responses"] += 1
+        metrics.answered(model.stats)
         return response
 
     def _completion(answer: Answer, usage: dict) -> dict:
@@ -336,7 +408,7 @@ def build_app(settings: Settings) -> web.Application:
         }
 
     async def _stream(
-        request: web.Request, answer: Answer, usage: dict | None
+        request: web.Request, answer: Answer, usage: dict | None, itl: float
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -355,7 +427,7 @@ def build_app(settings: Settings) -> web.Application:
 
         await send({"role": "assistant", "content": ""}, pause=settings.ttft)
         for piece in _pieces(answer.content) if answer.content else []:
-            await send({"content": piece}, pause=settings.itl)
+            await send({"content": piece}, pause=itl)
         for index, call in enumerate(_tool_call_objects(answer)):
             head = {
                 "index": index,
@@ -363,11 +435,11 @@ def build_app(settings: Settings) -> web.Application:
                 "type": "function",
                 "function": {"name": call["function"]["name"], "arguments": ""},
             }
-            await send({"tool_calls": [head]}, pause=settings.itl)
+            await send({"tool_calls": [head]}, pause=itl)
             arguments = call["function"]["arguments"]
             for start in range(0, len(arguments), 16):
                 piece = {"index": index, "function": {"arguments": arguments[start : start + 16]}}
-                await send({"tool_calls": [piece]}, pause=settings.itl)
+                await send({"tool_calls": [piece]}, pause=itl)
         await send({}, finish_reason=answer.finish_reason)
         if usage is not None:
             tail = {
@@ -388,6 +460,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/health_generate", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/mock/stats", stats)
+    app.router.add_get("/metrics", prometheus)
     app.router.add_post("/v1/chat/completions", chat)
     return app
 
@@ -422,6 +495,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttft", type=seconds, default=0.0, help="seconds before the first token")
     parser.add_argument("--itl", type=seconds, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--unhealthy", action="store_true", help="answer /health with 503")
+    parser.add_argument(
+        "--sanitizer",
+        action="store_true",
+        help=f"/metrics shows {SANITIZER_METRIC} (the sanitizer is on), every kind at 0",
+    )
+    parser.add_argument(
+        "--sanitizer-violation",
+        action="append",
+        default=[],
+        choices=SANITIZER_KINDS,
+        metavar="KIND",
+        help="count one sanitizer violation of KIND with every chat answer (implies --sanitizer)",
+    )
+    parser.add_argument(
+        "--nixl-death",
+        choices=("prefill_bootstrap", "decode_listener"),
+        metavar="THREAD",
+        help=f"count one death of this NIXL control thread in {NIXL_METRIC} at the first chat answer",
+    )
+    parser.add_argument(
+        "--slow-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="slow down after N chat requests: later ones stream --slow-itl apart",
+    )
+    parser.add_argument(
+        "--slow-itl", type=seconds, default=0.05, help="seconds between tokens once slow"
+    )
     parser.add_argument(
         "--exit-after",
         type=seconds,
@@ -466,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
         ttft=args.ttft,
         itl=args.itl,
         unhealthy=args.unhealthy,
+        sanitizer=args.sanitizer,
+        sanitizer_violations=tuple(args.sanitizer_violation),
+        nixl_death=args.nixl_death,
+        slow_after=args.slow_after,
+        slow_itl=args.slow_itl,
     )
     try:
         asyncio.run(serve(settings, args.port, args.exit_after))

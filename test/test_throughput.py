@@ -1,6 +1,6 @@
 """benchmark/throughput.py end to end: upstream's sglang.benchmark.serving, run as a child process
 per concurrency, against the project's mock server (127.0.0.1; it stands in for a DeepSeek-V4
-deployment), with a word-level tokenizer built here so nothing comes from the hub."""
+deployment), with the word-level tokenizer of support.tokenizer so nothing comes from the hub."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.tokenizer import word_tokenizer
 
-from benchmark.mock_server import WORDS, read_stats, running
+from benchmark.mock_server import read_stats, running
 from benchmark.throughput import compare
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -21,25 +22,7 @@ ITL_SECONDS = 0.002
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece()  # joins words with spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<s>", "</s>"])
-    tokenizer.train_from_iterator([" ".join(WORDS), "The mock answers in these words."], trainer)
-    path = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": "[UNK]",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "model_max_length": 4096,
-        "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return word_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def throughput(*options: str, timeout: float = 300) -> subprocess.CompletedProcess:
