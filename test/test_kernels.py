@@ -441,11 +441,11 @@ if INTERPRETED:
         out = launch(**case, config=config)
         assert_matches(out, reference_logits(case), case["seq_lens"])
 
-    def test_interpreted_work_follows_the_keys_not_the_table_width(monkeypatch):
-        """A page table 16x wider than the sequences, launched as on a 188-SM GPU: one dot per
-        page step a row has and nothing stored past a row's last page, exactly as with a table
-        of the exact width (the interpreter's own dot and store are counted)."""
-        from sgl_kernel_dsv4.index_logits_triton import launch
+    @pytest.mark.parametrize("sm_count", [None, 188])
+    def test_interpreted_work_follows_the_keys_not_the_table_width(monkeypatch, sm_count):
+        """A page table 16x wider than the sequences, with the device's own launch (None) or as
+        on a 188-SM GPU: no more dots or stores than with the exact width, and none past a
+        row's last page (the interpreter's own dot and store are counted)."""
         from triton.runtime.interpreter import InterpreterBuilder
 
         counts = {"dots": 0, "stored": 0}
@@ -462,16 +462,24 @@ if INTERPRETED:
         monkeypatch.setattr(InterpreterBuilder, "create_dot", counting_dot)
         monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counting_store)
         seq_lens = [768, 64, 1, 0, 130]
-        config = {"pages_per_step": 2, "sm_count": 188}
         seen = {}
         for width in (12, 16 * 12):
             counts.update(dots=0, stored=0)
             case = make_case(seq_lens, table_cols=width, max_seq_len=width * PAGE)
-            out = launch(**case, config=config)
+            if sm_count is None:
+                out = bf16_paged_mqa_logits_triton(**case)
+            else:
+                from sgl_kernel_dsv4.index_logits_triton import launch
+
+                out = launch(**case, config={"pages_per_step": 2, "sm_count": sm_count})
             assert_matches(out, reference_logits(case), case["seq_lens"])
             seen[width] = dict(counts)
-        steps = [-(-n // 128) for n in seq_lens]
-        assert seen[12] == seen[192] == {"dots": sum(steps), "stored": 128 * sum(steps)}
+        pages = sum(-(-n // PAGE) for n in seq_lens)
+        assert seen[12] == seen[192]
+        # at most one dot per page a row has (two pages per dot by default), stores likewise
+        assert seen[12]["dots"] <= pages and seen[12]["stored"] <= pages * PAGE
+        steps = sum(-(-n // 128) for n in seq_lens)
+        assert seen[12] == {"dots": steps, "stored": pages * PAGE}
 
     def test_interpreted_top_k_agrees():
         # Plain torch.topk here: the child runs without sglang (see its command line); the parent
@@ -557,9 +565,9 @@ else:
         )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail
-        # every interpreted case ran: one per CASES entry, 10 launch configs, the work count,
+        # every interpreted case ran: one per CASES entry, 10 launch configs, two work counts,
         # the top-k check, two fused-query and two fused-store cases
-        assert f"{len(CASES) + 16} passed" in proc.stdout and "failed" not in proc.stdout, tail
+        assert f"{len(CASES) + 17} passed" in proc.stdout and "failed" not in proc.stdout, tail
 
 
 # --- on a GPU ----------------------------------------------------------------------------

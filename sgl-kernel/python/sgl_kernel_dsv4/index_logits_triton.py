@@ -40,12 +40,14 @@ TUNED_LAUNCH_FILE = Path(__file__).with_name("tuned_launch.json")
 CONFIG_KEYS = ("pages_per_step", "programs_per_sm", "num_warps", "num_stages", "sm_count")
 
 # Candidates a tuner times on a device (benchmark/gpu_check.py); sm_count comes from the device.
+# Shared memory per program: 16 KB of query plus 16 KB per page and pipeline stage, kept at or
+# under 80 KB (an sm_120 SM has about 100 KB).
 LAUNCH_SWEEP = [
-    {"pages_per_step": 1, "programs_per_sm": 4, "num_warps": 4, "num_stages": 2},
+    {"pages_per_step": 1, "programs_per_sm": 4, "num_warps": 4, "num_stages": 3},
     {"pages_per_step": 2, "programs_per_sm": 2, "num_warps": 4, "num_stages": 2},
-    {"pages_per_step": 2, "programs_per_sm": 4, "num_warps": 4, "num_stages": 3},
+    {"pages_per_step": 2, "programs_per_sm": 4, "num_warps": 4, "num_stages": 2},
     {"pages_per_step": 2, "programs_per_sm": 4, "num_warps": 8, "num_stages": 2},
-    {"pages_per_step": 4, "programs_per_sm": 2, "num_warps": 8, "num_stages": 2},
+    {"pages_per_step": 4, "programs_per_sm": 2, "num_warps": 8, "num_stages": 1},
 ]
 
 
@@ -84,6 +86,8 @@ def _bf16_paged_mqa_logits_kernel(
     # Positions this row has in the output; only their pages are visited.
     length = tl.minimum(tl.load(seq_lens_ptr + row * seq_lens_stride), max_seq_len)
     row_steps = tl.cdiv(length, STEP)
+    # stores end with the row's last page (-inf after seq_len inside it), never past it
+    store_end = tl.minimum(tl.cdiv(length, PAGE) * PAGE, max_seq_len)
     if worker < row_steps:
         heads = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, DIM)
@@ -128,9 +132,7 @@ def _bf16_paged_mqa_logits_kernel(
                 scores = tl.dot(keys, query)
             logits = tl.sum(tl.maximum(scores, 0.0) * head_weights[None, :], axis=1)
             logits = tl.where(valid, logits, float("-inf"))
-            tl.store(
-                out_ptr + row * out_row_stride + positions, logits, mask=positions < max_seq_len
-            )
+            tl.store(out_ptr + row * out_row_stride + positions, logits, mask=positions < store_end)
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,9 +9,10 @@ contracts: `index_rotation`). One launch each, where the torch path runs about 3
   rows that complete no compressed token (no load, no store), RMSNorm with the weight, RoPE at
   seq_len - ratio, Hadamard rotation, bf16 store into the pool slots.
 
-Both work in fp32 and round once to bf16. The Hadamard rotation is one fp32 dot with the
-Sylvester matrix, built in registers from the parity of (i & j); RoPE pairs each value with its
-neighbour (d ^ 1), read a second time from memory rather than shuffled in registers. Launch
+Both work in fp32 and round once to bf16. The Hadamard rotation is a dot with the Sylvester
+matrix, built in registers from the parity of (i & j) (see `_hadamard` for its precision); RoPE
+pairs each value with its neighbour (d ^ 1), read a second time from memory rather than shuffled
+in registers. ROUND_BY_HAND marks a run under TRITON_INTERPRET (see `_to_bf16`, `_hadamard`). Launch
 shapes follow from argument shapes only (CUDA-graph safe).
 """
 
@@ -28,8 +29,15 @@ KEY_ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
-def _hadamard(x, DIM: tl.constexpr, LOG_DIM: tl.constexpr):
-    """x [R, DIM] fp32 @ Sylvester Hadamard / sqrt(DIM)."""
+def _hadamard(x, DIM: tl.constexpr, LOG_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x [R, DIM] fp32 @ Sylvester Hadamard / sqrt(DIM), in fp32.
+
+    On a GPU the +-1 matrix is bf16 (exact) and x goes in as two bf16 parts, x = hi + lo, each
+    multiplied on the tensor cores with fp32 accumulation: the product is exact to about 2^-17
+    of |x|, far below the bf16 rounding of the result, and the operands take 32 + 16 KB of
+    shared memory where an fp32 matrix alone would take 64 KB (sm_120 has about 100 KB).
+    Under the interpreter (whose bf16 dot multiplies raw bits) it is one fp32 dot.
+    """
     i = tl.arange(0, DIM)[:, None]
     j = tl.arange(0, DIM)[None, :]
     bits = i & j
@@ -37,7 +45,15 @@ def _hadamard(x, DIM: tl.constexpr, LOG_DIM: tl.constexpr):
     for b in tl.static_range(LOG_DIM):
         parity = parity ^ ((bits >> b) & 1)
     signs = (1 - 2 * parity).to(tl.float32)
-    return tl.dot(x, signs, input_precision="ieee") * (DIM**-0.5)
+    if INTERPRETED:
+        out = tl.dot(x, signs)
+    else:
+        signs = signs.to(tl.bfloat16)
+        hi = x.to(tl.bfloat16)
+        lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+        out = tl.dot(hi, signs)
+        out = tl.dot(lo, signs, out)
+    return out * (DIM**-0.5)
 
 
 @triton.jit
@@ -93,7 +109,7 @@ def _index_query_kernel(
     position = tl.load(positions_ptr + token).to(tl.int64)
     freqs_row = freqs_ptr + position * freqs_pos_stride
     x = _rope_tail(x, partner, dims[None, :], freqs_row, DIM, ROPE_DIM)
-    out = _hadamard(x, DIM, LOG_DIM)
+    out = _hadamard(x, DIM, LOG_DIM, ROUND_BY_HAND)
     tl.store(
         out_ptr + token * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
         _to_bf16(out, ROUND_BY_HAND),
@@ -146,7 +162,7 @@ def _store_index_keys_kernel(
     partner = partner * inv_rms * partner_weight[None, :]
     freqs_row = freqs_ptr + position[:, None] * freqs_pos_stride
     x = _rope_tail(x, partner, dims[None, :], freqs_row, DIM, ROPE_DIM)
-    keys = _hadamard(x, DIM, LOG_DIM)
+    keys = _hadamard(x, DIM, LOG_DIM, ROUND_BY_HAND)
     tl.store(
         pool_ptr + slot[:, None] * pool_row_stride + dims[None, :],
         _to_bf16(keys, ROUND_BY_HAND),
