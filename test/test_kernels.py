@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,8 +110,14 @@ def case_named(name):
     return case
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor):
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, seq_lens=None):
+    """Same -inf pattern and values; with `seq_lens`, only each row's first seq_len positions
+    (the contract leaves the rest unspecified)."""
     assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    if seq_lens is not None:
+        inside = torch.arange(actual.shape[1]).unsqueeze(0) < seq_lens.view(-1, 1)
+        actual = torch.where(inside, actual, float("-inf"))
+        expected = torch.where(inside, expected, float("-inf"))
     assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), "-inf pattern differs"
     finite = torch.isfinite(expected)
     assert torch.isfinite(actual[finite]).all()
@@ -150,11 +157,33 @@ def test_torch_path_matches_fp64_reference(name):
 
 
 def test_torch_path_in_several_steps(monkeypatch):
-    """A small step budget forces the page loop through several steps, the last one partial."""
+    """A small budget forces the page loop through several steps, the last one partial."""
     case = make_case([700, 320, 5], heads=16)
-    monkeypatch.setattr(index_logits_module, "_TORCH_STEP_BYTES", 3 * 64 * (128 + 16) * 4 * 3)
+    monkeypatch.setenv("SGLANG_DSV4_INDEXER_BUDGET_MIB", "2")  # steps of 512 KiB: 3 pages
     assert index_logits_module._pages_per_step(3, 16, 11) == 3
     assert_matches(bf16_paged_mqa_logits_torch(**case), reference_logits(case))
+
+
+def test_indexer_rows_per_chunk_fits_the_budget():
+    """The row chunk follows the formula in its docstring: at most the budget at any row
+    count, at least one row, and wider logits or more heads mean fewer rows."""
+    from sgl_kernel_dsv4.index_logits import indexer_rows_per_chunk
+
+    budget = 512 << 20
+    for rows, cols, heads in [(16384, 4096, 64), (100_000, 262_144, 64), (7, 64, 64), (5000, 8192, 16)]:
+        chunk = indexer_rows_per_chunk(rows, cols, heads, budget)
+        assert 1 <= chunk <= rows
+        assert budget // 4 + chunk * (12 * cols + 24 * heads * 128) <= budget
+        assert chunk * index_logits_module._page_step_bytes(heads) <= budget // 4
+    assert indexer_rows_per_chunk(10**6, 262_144, 64, budget) == 120
+    assert indexer_rows_per_chunk(10**6, 4096, 64, budget) == 1628
+    assert indexer_rows_per_chunk(10, 10**9, 64, budget) == 1  # never zero
+
+
+def test_indexer_budget_refuses_a_bad_value(monkeypatch):
+    monkeypatch.setenv("SGLANG_DSV4_INDEXER_BUDGET_MIB", "lots")
+    with pytest.raises(ValueError, match="SGLANG_DSV4_INDEXER_BUDGET_MIB='lots' must be"):
+        index_logits_module.indexer_budget_bytes()
 
 
 def test_torch_path_top_k_agrees_with_fp64():
@@ -285,6 +314,110 @@ def test_kernel_benchmark_refuses_without_cuda():
     assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
 
 
+def test_kernel_benchmark_table_width_under_the_interpreter(tmp_path):
+    """The CPU table-width check end to end at a tiny size: both widths timed, the wide table's
+    logits equal to the exact one's, the ratio reported (its value is a measurement, not
+    checked here: --max-ratio is lifted)."""
+    out = tmp_path / "widths.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "indexer_kernels.py"), "--interpret",
+         "--batch", "2", "--keys", "200", "--heads", "16", "--iters", "1",
+         "--table-width", "4", "--max-ratio", "1000", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "4x width ms (ratio)" in proc.stdout
+    [row] = json.loads(out.read_text())["table_width"]
+    assert row["same"] and set(row["ratio"]) == {"1", "4"} and row["ratio"]["1"] == 1.0
+
+
+# --- launch rule and config (no kernel runs) -------------------------------------------------
+
+
+class FakeDevice:
+    """What torch.cuda says about a GPU this host does not have (a stand-in: no GPU here)."""
+
+    def __init__(self, name, sms, capability=(12, 0)):
+        self.name, self.sms, self.capability = name, sms, capability
+
+    def install(self, monkeypatch):
+        props = SimpleNamespace(multi_processor_count=self.sms, major=self.capability[0],
+                                minor=self.capability[1])
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: self.name)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.fixture
+def triton_launch(monkeypatch, tmp_path):
+    from sgl_kernel_dsv4 import index_logits_triton as module
+
+    monkeypatch.setattr(module, "TUNED_LAUNCH_FILE", tmp_path / "tuned_launch.json")
+    module.load_tuned_launch.cache_clear()
+    module._config_for.cache_clear()
+    yield module
+    module.load_tuned_launch.cache_clear()
+    module._config_for.cache_clear()
+
+
+@pytest.mark.parametrize("sms", [188, 84, 170])
+def test_launch_config_follows_the_devices_sm_count(triton_launch, monkeypatch, sms):
+    """No tuned entry: the heuristic sizes the launch from the device's own SM count."""
+    FakeDevice("NVIDIA RTX PRO 6000 Blackwell", sms).install(monkeypatch)
+    config = triton_launch.launch_config_for("cuda:0")
+    assert config["sm_count"] == sms
+    # one long row spreads over the whole device; many rows share it
+    assert triton_launch.workers_per_row(1, 1 << 20, 1 << 14, config) == 4 * sms
+    assert triton_launch.workers_per_row(64, 1 << 20, 1 << 14, config) == -(-4 * sms // 64)
+
+
+def test_launch_config_takes_the_tuned_entry_for_its_device(triton_launch, monkeypatch):
+    entry = {"capability": "12.0", "config": {"pages_per_step": 4, "num_warps": 8},
+             "measured": {"ms": 0.1}}
+    triton_launch.TUNED_LAUNCH_FILE.write_text(json.dumps({"NVIDIA RTX PRO 6000 Blackwell": entry}))
+    FakeDevice("NVIDIA RTX PRO 6000 Blackwell", 188).install(monkeypatch)
+    config = triton_launch.launch_config_for("cuda")
+    assert config["pages_per_step"] == 4 and config["num_warps"] == 8 and config["sm_count"] == 188
+    # another device name, or the same name with another capability: the heuristic
+    triton_launch._config_for.cache_clear()
+    FakeDevice("NVIDIA RTX PRO 6000 Blackwell", 188, capability=(10, 0)).install(monkeypatch)
+    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(188)
+    triton_launch._config_for.cache_clear()
+    FakeDevice("NVIDIA H200", 132, capability=(9, 0)).install(monkeypatch)
+    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(132)
+
+
+@pytest.mark.parametrize("text", ["", "{}"])
+def test_launch_config_without_measurements(triton_launch, monkeypatch, text):
+    triton_launch.TUNED_LAUNCH_FILE.write_text(text)
+    FakeDevice("NVIDIA H200", 132, capability=(9, 0)).install(monkeypatch)
+    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(132)
+
+
+def test_launch_config_refuses_a_bad_entry(triton_launch, monkeypatch):
+    entry = {"capability": "12.0", "config": {"pages_per_program": 2}}
+    triton_launch.TUNED_LAUNCH_FILE.write_text(json.dumps({"GPU X": entry}))
+    FakeDevice("GPU X", 100).install(monkeypatch)
+    with pytest.raises(ValueError, match=r"unknown keys \['pages_per_program'\]"):
+        triton_launch.launch_config_for("cuda")
+
+
+def test_launch_sweep_configs_are_valid(triton_launch):
+    for config in triton_launch.LAUNCH_SWEEP:
+        triton_launch.check_config(dict(config))
+        assert "sm_count" not in config  # the device supplies it
+
+
+def test_launch_shape_follows_argument_shapes_only(triton_launch):
+    """CUDA-graph safety: the grid is a function of shapes and the config, and a page table 16x
+    wider than needed adds no programs once the device is full."""
+    config = triton_launch.heuristic_config(188)
+    exact = triton_launch.workers_per_row(32, 20_480, 320, config)
+    wide = triton_launch.workers_per_row(32, 16 * 20_480, 16 * 320, config)
+    assert exact == wide == -(-4 * 188 // 32)
+
+
 # --- Triton kernel under the interpreter (child process) ---------------------------------
 
 if INTERPRETED:
@@ -293,31 +426,132 @@ if INTERPRETED:
     def test_interpreted_triton_matches_torch_and_fp64(name):
         case = case_named(name)
         triton_out = bf16_paged_mqa_logits_triton(**case)
-        assert_matches(triton_out, reference_logits(case))
-        assert_matches(triton_out, bf16_paged_mqa_logits_torch(**case).double())
+        seq_lens = case["seq_lens"]
+        assert_matches(triton_out, reference_logits(case), seq_lens)
+        assert_matches(triton_out, bf16_paged_mqa_logits_torch(**case).double(), seq_lens)
 
-    @pytest.mark.parametrize("pages_per_program", [2, 4])
-    def test_interpreted_several_pages_per_program(pages_per_program):
-        from sgl_kernel_dsv4.index_logits_triton import launch
+    @pytest.mark.parametrize("sweep", range(5))
+    @pytest.mark.parametrize("sm_count", [1, 3])
+    def test_interpreted_launch_configs(sweep, sm_count):
+        """Every swept config, with one or several workers per row (3 SMs), gives the contract."""
+        from sgl_kernel_dsv4.index_logits_triton import LAUNCH_SWEEP, launch
 
-        case = make_case([400, 65, 0], heads=16)  # 7 pages: the last program is partial
-        out = launch(**case, pages_per_program=pages_per_program)
-        assert_matches(out, reference_logits(case))
+        case = make_case([400, 65, 0, 1000], heads=16, table_cols=20)
+        config = {**LAUNCH_SWEEP[sweep], "sm_count": sm_count}
+        out = launch(**case, config=config)
+        assert_matches(out, reference_logits(case), case["seq_lens"])
+
+    @pytest.mark.parametrize("sm_count", [None, 188])
+    def test_interpreted_work_follows_the_keys_not_the_table_width(monkeypatch, sm_count):
+        """A page table 16x wider than the sequences, with the device's own launch (None) or as
+        on a 188-SM GPU: no more dots or stores than with the exact width, and none past a
+        row's last page (the interpreter's own dot and store are counted)."""
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        counts = {"dots": 0, "stored": 0}
+        dot, store = InterpreterBuilder.create_dot, InterpreterBuilder.create_masked_store
+
+        def counting_dot(self, *args):
+            counts["dots"] += 1
+            return dot(self, *args)
+
+        def counting_store(self, ptrs, value, mask, *args):
+            counts["stored"] += int(mask.data.sum())
+            return store(self, ptrs, value, mask, *args)
+
+        monkeypatch.setattr(InterpreterBuilder, "create_dot", counting_dot)
+        monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counting_store)
+        seq_lens = [768, 64, 1, 0, 130]
+        seen = {}
+        for width in (12, 16 * 12):
+            counts.update(dots=0, stored=0)
+            case = make_case(seq_lens, table_cols=width, max_seq_len=width * PAGE)
+            if sm_count is None:
+                out = bf16_paged_mqa_logits_triton(**case)
+            else:
+                from sgl_kernel_dsv4.index_logits_triton import launch
+
+                out = launch(**case, config={"pages_per_step": 2, "sm_count": sm_count})
+            assert_matches(out, reference_logits(case), case["seq_lens"])
+            seen[width] = dict(counts)
+        pages = sum(-(-n // PAGE) for n in seq_lens)
+        assert seen[12] == seen[192]
+        # at most one dot per page a row has (two pages per dot by default), stores likewise
+        assert seen[12]["dots"] <= pages and seen[12]["stored"] <= pages * PAGE
+        steps = sum(-(-n // 128) for n in seq_lens)
+        assert seen[12] == {"dots": steps, "stored": pages * PAGE}
 
     def test_interpreted_top_k_agrees():
         # Plain torch.topk here: the child runs without sglang (see its command line); the parent
-        # checks the torch path through upstream's own top-k step.
+        # checks the torch path through upstream's own top-k step. Positions past seq_len are
+        # unspecified, so each row's top-k looks at its first seq_len scores, as upstream's does.
         case = make_case([1000, 700, 40, 513], heads=64, outliers=True, seed=3)
         reference = reference_logits(case)
+        inside = torch.arange(reference.shape[1]).unsqueeze(0) < case["seq_lens"].view(-1, 1)
 
         def top(logits):
-            return logits.topk(64, dim=1).indices
+            return torch.where(inside, logits.double(), float("-inf")).topk(64, dim=1).indices
 
         triton_out = bf16_paged_mqa_logits_triton(**case)
         assert_same_selection(top(triton_out), top(reference), reference, 64)
         assert_same_selection(top(triton_out), top(bf16_paged_mqa_logits_torch(**case)), reference, 64)
         # rows shorter than k: the -inf tail is never ranked above a key
         assert set(top(triton_out)[2, :40].tolist()) == set(range(40))
+
+    def rope_table(positions=5000, pairs=32, seed=0):
+        angles = torch.rand(positions, pairs, generator=torch.Generator().manual_seed(seed)) * 6
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def assert_bf16_close(actual, expected):
+        """Equal, but for values one bf16 step apart (fp32 sums in another order)."""
+        assert actual.dtype == expected.dtype == torch.bfloat16 and actual.shape == expected.shape
+        differ = actual != expected
+        assert differ.float().mean() < 0.01
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=1e-6)
+
+    @pytest.mark.parametrize("heads", [64, 20])
+    def test_interpreted_fused_query_matches_the_reference(heads):
+        from sgl_kernel_dsv4.index_rotation import index_query_bf16_torch
+        from sgl_kernel_dsv4.index_rotation_triton import index_query_bf16_triton
+
+        gen = torch.Generator().manual_seed(1)
+        q = (torch.randn(6, heads, 128, generator=gen) * 4).to(torch.bfloat16)
+        positions = torch.tensor([0, 7, 4999, 3, 150, 2048])
+        freqs = rope_table()
+        expected = index_query_bf16_torch(q, freqs, positions)
+        assert_bf16_close(index_query_bf16_triton(q, freqs, positions), expected)
+        # a strided view, as the projection's output is viewed
+        wide = torch.zeros(6, heads, 256, dtype=torch.bfloat16)
+        wide[..., :128] = q
+        assert_bf16_close(index_query_bf16_triton(wide[..., :128], freqs, positions), expected)
+
+    @pytest.mark.parametrize("is_decode", [True, False])
+    def test_interpreted_fused_key_store_matches_the_reference(is_decode):
+        from sgl_kernel_dsv4.index_rotation import store_index_keys_bf16_torch
+        from sgl_kernel_dsv4.index_rotation_triton import store_index_keys_bf16_triton
+
+        gen = torch.Generator().manual_seed(2)
+        rows = 21  # more than one program's block, the last one partial
+        plan = torch.zeros(rows, 4, dtype=torch.int32)
+        if is_decode:
+            plan[:, 0] = torch.randint(1, 4000, (rows,), generator=gen)
+            plan[::3, 0] = plan[::3, 0] // 4 * 4 + 4  # a third complete a group
+            out_loc = torch.randperm(500, generator=gen)[:rows] + 1
+        else:
+            plan[:, 0] = (torch.arange(rows) + 1) * 4
+            plan[:, 1] = torch.randperm(40, generator=gen)[:rows]
+            plan[[2, 9, 20]] = torch.tensor([-1, 0, -1, -1], dtype=torch.int32)  # invalid rows
+            out_loc = torch.randperm(500, generator=gen)[:40] + 1
+        kv = torch.randn(rows, 128, generator=gen) * 3
+        weight = torch.rand(128, generator=gen) + 0.5
+        pools = [torch.full((600, 128), 7.0, dtype=torch.bfloat16) for _ in range(2)]
+        args = (kv, weight, 1e-6, rope_table(), plan, out_loc, 4, is_decode)
+        store_index_keys_bf16_triton(pools[0], *args)
+        store_index_keys_bf16_torch(pools[1], *args)
+        assert (pools[0][0] == 7.0).all()  # slot 0 is never written
+        written = (pools[1] != 7.0).any(1)
+        assert torch.equal((pools[0] != 7.0).any(1), written) and written.sum() >= 7
+        assert_bf16_close(pools[0], pools[1])
 
 else:
 
@@ -331,8 +565,9 @@ else:
         )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail
-        # every interpreted case ran: one per CASES entry, two page groupings, the top-k check
-        assert f"{len(CASES) + 3} passed" in proc.stdout and "failed" not in proc.stdout, tail
+        # every interpreted case ran: one per CASES entry, 10 launch configs, two work counts,
+        # the top-k check, two fused-query and two fused-store cases
+        assert f"{len(CASES) + 17} passed" in proc.stdout and "failed" not in proc.stdout, tail
 
 
 # --- on a GPU ----------------------------------------------------------------------------
@@ -346,7 +581,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_triton_matches_torch(name):
     case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case_named(name).items()}
     expected = bf16_paged_mqa_logits_torch(**case).double().cpu()
-    assert_matches(bf16_paged_mqa_logits(**case).cpu(), expected)
+    assert_matches(bf16_paged_mqa_logits(**case).cpu(), expected, case["seq_lens"].cpu())
 
 
 @pytest.mark.gpu
@@ -362,4 +597,33 @@ def test_gpu_kernels_replay_in_a_cuda_graph(kernel):
     case["seq_lens"].copy_(torch.tensor([5, 640, 0, 299], dtype=torch.int32))
     case["q"].normal_()
     graph.replay()
-    torch.testing.assert_close(captured, kernel(**case), rtol=1e-5, atol=1e-4)
+    inside = torch.arange(captured.shape[1], device="cuda").unsqueeze(0) < case["seq_lens"].unsqueeze(1)
+    torch.testing.assert_close(captured[inside], kernel(**case)[inside], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_rotations_match_their_references():
+    from sgl_kernel_dsv4.index_rotation import index_query_bf16_torch, store_index_keys_bf16_torch
+    from sgl_kernel_dsv4.index_rotation_triton import (
+        index_query_bf16_triton,
+        store_index_keys_bf16_triton,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    angles = torch.rand(5000, 32, device="cuda", generator=gen) * 6
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    q = torch.randn(33, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 5000, (33,), device="cuda", generator=gen)
+    torch.testing.assert_close(index_query_bf16_triton(q, freqs, positions).float(),
+                               index_query_bf16_torch(q, freqs, positions).float(), rtol=2**-7, atol=1e-6)
+    plan = torch.zeros(33, 4, dtype=torch.int32, device="cuda")
+    plan[:, 0] = torch.randint(1, 4000, (33,), device="cuda", generator=gen)
+    out_loc = torch.randperm(400, device="cuda", generator=gen)[:33] + 1
+    kv = torch.randn(33, 128, device="cuda", generator=gen)
+    weight = torch.rand(128, device="cuda", generator=gen) + 0.5
+    pools = [torch.full((401, 128), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    args = (kv, weight, 1e-6, freqs, plan, out_loc, 4, True)
+    store_index_keys_bf16_triton(pools[0], *args)
+    store_index_keys_bf16_torch(pools[1], *args)
+    torch.testing.assert_close(pools[0].float(), pools[1].float(), rtol=2**-7, atol=1e-6)

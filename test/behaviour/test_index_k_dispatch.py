@@ -6,7 +6,8 @@ norm, RoPE table) with random weights, upstream's PagedIndexerMetadata, ForwardM
 (torch backend), and the compressor plan types. Stand-ins, for what needs a GPU:
 - the attention backend is a DeepseekV4AttnBackend made without its constructor (which needs a
   CUDA model runner), given the pool, the forward metadata and the top-k backend;
-- compress plans are filled by hand (upstream's planner is a CUDA kernel), with its byte layout;
+- compress plans are filled by hand (upstream's planner is a CUDA kernel), with its byte layout
+  (invalid rows as upstream's planner pads them: seq_len 0xffffffff, ragged id 0);
 - the compressor's own compress_forward (a CUDA kernel, unchanged) is not run: the write path is
   checked from its output on.
 The expected values are computed here independently: fp64, with an explicit Hadamard matrix and
@@ -159,7 +160,7 @@ def prefill_plan(entries):
     rows = torch.zeros(len(entries), 4, dtype=torch.int32)
     for i, entry in enumerate(entries):
         if entry is None:
-            rows[i, 0] = -1  # 0xffffffff
+            rows[i] = torch.tensor([-1, 0, -1, -1])  # upstream's CompressPlan::invalid()
         else:
             seq_len, ragged_id = entry
             rows[i, 0], rows[i, 1] = seq_len, ragged_id
@@ -174,50 +175,82 @@ def check_keys(keys, kv, seq_lens, compressor):
     torch.testing.assert_close(keys.double(), ref, rtol=2**-8, atol=1e-6)
 
 
+SENTINEL = 7.0  # what every pool slot holds before a write test (exact in bf16)
+
+
+def sentinel_rows(pool, layer):
+    """The layer's bf16 pool rows [slots, 128], every slot set to SENTINEL."""
+    rows = pool.get_index_k_bf16_buffer(layer).view(-1, 128)
+    rows.fill_(SENTINEL)
+    return rows
+
+
+def written_slots(rows):
+    return (rows != SENTINEL).any(dim=1).nonzero().flatten().tolist()
+
+
 def test_decode_write_then_read_is_bit_exact(pools, indexer):
-    from sglang.srt.layers.attention.dsv4.compressor_v2 import bf16_index_keys_from_plan
+    from sglang.srt.layers.attention.dsv4.compressor_v2 import store_bf16_index_keys_from_plan
 
     _, pool = pools["bf16"]
     layer = c4_layer(pool)
     compressor = indexer.compressor
     seq_lens = [8, 13, 4, 2000, 4097]  # 13 and 4097 complete no group this step
-    out_loc = torch.tensor([77, 0, 130, 1000, 0])
+    out_loc = torch.tensor([77, 555, 130, 1000, 556])
     kv = torch.randn(len(seq_lens), 128, generator=torch.Generator().manual_seed(4)) * 3
-    keys, slots = bf16_index_keys_from_plan(
-        kv, decode_plan(seq_lens), out_loc, compressor.norm, compressor.freqs_cis
+    rows = sentinel_rows(pool, layer)
+    store_bf16_index_keys_from_plan(
+        rows, kv, decode_plan(seq_lens), out_loc, compressor.norm, compressor.freqs_cis
     )
-    assert slots.tolist() == [77, 0, 130, 1000, 0]
-    check_keys(keys, kv, seq_lens, compressor)
-
-    pool.set_index_k_bf16(layer, slots, keys)
-    written = torch.tensor([0, 2, 3])
-    read = pool.get_index_k_bf16(layer, slots[written])
-    assert torch.equal(read.view(torch.int16), keys[written].view(torch.int16))
+    # only rows that complete a compressed token are stored; the others' slots stay as they were
+    assert written_slots(rows) == [77, 130, 1000]
+    written = [0, 2, 3]
+    keys = pool.get_index_k_bf16(layer, out_loc[written])
+    check_keys(keys, kv[written], [seq_lens[i] for i in written], compressor)
     pages = pool.get_index_k_bf16_buffer(layer)  # the kernel's view of the same bytes
-    for i in written.tolist():
-        slot = int(slots[i])
-        assert torch.equal(pages[slot // PAGE, slot % PAGE, 0].view(torch.int16), keys[i].view(torch.int16))
+    for i, key in zip(written, keys, strict=True):
+        slot = int(out_loc[i])
+        assert torch.equal(pages[slot // PAGE, slot % PAGE, 0].view(torch.int16), key.view(torch.int16))
 
 
 def test_prefill_rows_land_in_their_tokens_slots(pools, indexer):
-    from sglang.srt.layers.attention.dsv4.compressor_v2 import bf16_index_keys_from_plan
+    from sglang.srt.layers.attention.dsv4.compressor_v2 import store_bf16_index_keys_from_plan
 
     _, pool = pools["bf16"]
     layer = c4_layer(pool)
     compressor = indexer.compressor
     # q tokens 0..11 with their compressed slots; rows name the token (ragged id) they complete
     out_loc = torch.arange(500, 512)
-    entries = [(4, 3), (8, 7), None, (12, 11), None]
+    entries = [(4, 3), (8, 7), (12, 11)]
     kv = torch.randn(len(entries), 128, generator=torch.Generator().manual_seed(5))
-    keys, slots = bf16_index_keys_from_plan(
-        kv, prefill_plan(entries), out_loc, compressor.norm, compressor.freqs_cis
+    rows = sentinel_rows(pool, layer)
+    store_bf16_index_keys_from_plan(
+        rows, kv, prefill_plan(entries), out_loc, compressor.norm, compressor.freqs_cis
     )
-    assert slots.tolist() == [503, 507, 0, 511, 0]
-    valid = [0, 1, 3]
-    check_keys(keys[valid], kv[valid], [entries[i][0] for i in valid], compressor)
-    pool.set_index_k_bf16(layer, slots, keys)
-    read = pool.get_index_k_bf16(layer, slots[valid])
-    assert torch.equal(read.view(torch.int16), keys[valid].view(torch.int16))
+    assert written_slots(rows) == [503, 507, 511]
+    keys = pool.get_index_k_bf16(layer, torch.tensor([503, 507, 511]))
+    check_keys(keys, kv, [seq_len for seq_len, _ in entries], compressor)
+
+
+def test_invalid_prefill_rows_are_skipped_not_written_to_slot_0(pools, indexer):
+    """Upstream's planner pads the plan with invalid rows (seq_len 0xffffffff, ragged id 0) and
+    its fused store skips them; the bf16 store must too. Slot 0 (the pool's padding slot, which
+    padded page-table rows read) keeps what it held."""
+    from sglang.srt.layers.attention.dsv4.compressor_v2 import store_bf16_index_keys_from_plan
+
+    _, pool = pools["bf16"]
+    layer = c4_layer(pool)
+    compressor = indexer.compressor
+    out_loc = torch.arange(500, 512)
+    entries = [(4, 3), None, (8, 7), None, None]
+    kv = torch.full((len(entries), 128), float("nan"))  # an invalid row's values are garbage
+    kv[[0, 2]] = torch.randn(2, 128, generator=torch.Generator().manual_seed(6))
+    rows = sentinel_rows(pool, layer)
+    store_bf16_index_keys_from_plan(
+        rows, kv, prefill_plan(entries), out_loc, compressor.norm, compressor.freqs_cis
+    )
+    assert written_slots(rows) == [503, 507]
+    assert (rows[0] == SENTINEL).all() and not rows.isnan().any()
 
 
 # --- read path to top-k ----------------------------------------------------------------------
@@ -288,3 +321,76 @@ def test_bf16_decode_selects_the_exact_top_k(pools, indexer):
         # pool slots: page_table[t // 64] * 64 + t % 64
         expected = [pages[t // PAGE] * PAGE + t % PAGE for t in positions_chosen[: min(TOPK, count)].tolist()]
         assert chosen[: min(TOPK, count)].tolist() == expected
+
+
+# --- prefill: bounded temporaries ------------------------------------------------------------
+
+
+def run_prefill_indexer(pool, indexer, rows, table_pages, gen):
+    """One prefill forward of `rows` query tokens of one request over `table_pages` pages of
+    compressed keys, as the last tokens of a long prompt see them; returns a function running
+    one forward and giving the selected positions."""
+    layer = c4_layer(pool)
+    pool_pages = pool.get_index_k_bf16_buffer(layer).shape[0]
+    pages = (torch.arange(table_pages) % (pool_pages - 1) + 1).to(torch.int32)
+    page_table = pages.repeat(rows, 1)
+    width = table_pages * PAGE
+    # token i of a long prompt's last chunk: it sees up to `width` compressed keys
+    seq_lens = (width - rows + 1 + torch.arange(rows)).clamp(min=1).to(torch.int32)
+    with envs.SGLANG_FP8_PAGED_MQA_LOGITS_TORCH.override(True):  # as on sm_120: no DeepGEMM
+        paged = PagedIndexerMetadata(
+            page_size=256, compressed_page_size=PAGE, page_table=page_table,
+            compressed_seq_lens=seq_lens, use_topk_v2=False,
+        )
+    core = SimpleNamespace(
+        positions=seq_lens.long() * 4 - 1,  # the token completing its last key
+        c4_sparse_page_indices=torch.full((rows, TOPK), -7, dtype=torch.int32),
+        c4_sparse_raw_indices=torch.full((rows, TOPK), -7, dtype=torch.int32),
+    )
+    backend = backend_for(pool, forward_metadata=SimpleNamespace(indexer_metadata=paged, core_metadata=core))
+    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16)
+    q_lora = torch.randn(rows, 1024, generator=gen).to(torch.bfloat16)
+
+    def forward():
+        indexer.forward(
+            x=x, q_lora=q_lora, forward_batch=SimpleNamespace(forward_mode=ForwardMode.EXTEND),
+            attn_backend=backend, skip_compressor=True,
+        )
+        return core.c4_sparse_raw_indices.clone()
+
+    return forward
+
+
+def peak_bytes(fn) -> tuple[int, object]:
+    """Peak of the CPU memory `fn` allocates, from torch.profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    alive = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        alive += event.nbytes()
+        peak = max(peak, alive)
+    return peak, result
+
+
+BUDGET_MIB = 8
+
+
+def test_prefill_indexer_temporaries_stay_under_the_budget(pools, indexer, monkeypatch):
+    """256 prompt tokens over 1,024 compressed keys: unchunked, the query's fp32 rotation
+    temporaries alone ([256, 64, 128] fp32 = 8 MiB each) exceed an 8 MiB budget;
+    in row chunks the whole forward (query, logits, top-k) peaks under it, and selects exactly
+    what one unchunked pass selects."""
+    _, pool = pools["bf16"]
+    forward = run_prefill_indexer(pool, indexer, rows=256, table_pages=16,
+                                  gen=torch.Generator().manual_seed(11))
+    monkeypatch.setenv("SGLANG_DSV4_INDEXER_BUDGET_MIB", str(BUDGET_MIB))
+    peak, chunked = peak_bytes(forward)
+    assert peak <= BUDGET_MIB << 20, f"peak {peak / 2**20:.1f} MiB over the {BUDGET_MIB} MiB budget"
+    # (measured: 3.7 MiB; in one pass, with the budget lifted, 270 MiB)
+    monkeypatch.setenv("SGLANG_DSV4_INDEXER_BUDGET_MIB", "4096")  # one chunk
+    whole_peak, whole = peak_bytes(forward)
+    assert whole_peak > BUDGET_MIB << 20  # the measurement can fail
+    assert torch.equal(chunked.sort(dim=1).values, whole.sort(dim=1).values)

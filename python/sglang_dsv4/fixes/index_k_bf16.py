@@ -17,12 +17,31 @@ Register entry
                every dtype; the pool allocates by it (and pool-sizing-bf16 prices by it).
                Compute (bf16 pools only; fp8 and fp4 layers run upstream's code unchanged):
                C4Indexer.forward routes the layer to forward_c4_indexer_bf16, which keeps the
-               query bf16 (upstream's RoPE + Hadamard, no fp8), scores the pool's bf16 pages with
-               sgl_kernel_dsv4.bf16_paged_mqa_logits (Triton on CUDA, written for sm_120; torch
-               elsewhere; upstream's output contract) and runs upstream's top-k step; prefill takes
-               the same paged kernel in row chunks. Write: DeepseekV4AttnBackend.
-               forward_indexer_compressor runs upstream's compress_forward, then RMSNorm, RoPE and
-               Hadamard in fp32 and stores bf16 (bf16_index_keys_from_plan, set_index_k_bf16).
+               query bf16 (RoPE + Hadamard, no fp8), scores the pool's bf16 pages with
+               sgl_kernel_dsv4.bf16_paged_mqa_logits and runs upstream's top-k step. Write:
+               DeepseekV4AttnBackend.forward_indexer_compressor runs upstream's compress_forward,
+               then store_bf16_index_keys_from_plan (RMSNorm, RoPE, Hadamard in fp32, bf16 into
+               the pool slots; rows that complete no token are skipped, as upstream skips them,
+               never aimed at slot 0).
+               Which path runs where: on CUDA three Triton kernels (sgl_kernel_dsv4; written for
+               sm_120): the fused query (index_query_bf16_triton), the fused key store
+               (store_index_keys_bf16_triton) and the logits (bf16_paged_mqa_logits_triton); on
+               any other device their torch references (index_rotation, index_logits), which
+               are also the tests' reference.
+               Logits launch rule: grid (rows, workers), workers from shapes and the device's SM
+               count only (CUDA-graph safe); each program walks its row's pages up to seq_len, so
+               work follows the keys, not the page-table width (in a decode CUDA graph as wide
+               as the longest context the server allows). Positions past seq_len are not written: upstream's top-k reads a row's
+               first seq_len scores only (torch / flashinfer-unfused mask the rest to -inf,
+               top-k v1 selects over [0, seq_len), v2 pads its last vector past seq_len) and
+               upstream itself calls DeepGEMM with clean_logits=False.
+               Memory: rows go in chunks (query, logits, top-k per chunk) of
+               indexer_rows_per_chunk(T, L, H) = min(T, 3/4 B // (12 L + 24 H * 128),
+               B/4 // (64 * (6 * 128 + 8 H + 8))), B the budget (SGLANG_DSV4_INDEXER_BUDGET_MIB,
+               default 512 MiB per rank), L the logits width, H the heads; peak <= B at any T
+               (the torch logits path keeps its page steps under B/4). At L = 262,144 (1M
+               tokens at ratio 4), H = 64: 3.34 MB per row, 120 rows per chunk; at L = 4,096:
+               246 KB per row, 1,628 rows. test_index_k_dispatch measures the peak on CPU.
   Upstream:    not upstream
   Remove when: upstream ships a bf16 (or otherwise lossless) index-K option for DeepSeek-V4.
 
@@ -57,8 +76,8 @@ import os
 import torch
 
 # The functions below run with this module's globals: the same names the upstream module imports.
-from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits
-from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate
+from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits, indexer_rows_per_chunk
+from sgl_kernel_dsv4.index_rotation import index_query_bf16, store_index_keys_bf16
 from sglang.srt.layers.attention.dsv4.compressor_v2 import compress_forward, is_overlap_compress
 from sglang.srt.layers.attention.dsv4.indexer import (
     get_global_indexer_capturer,
@@ -279,13 +298,13 @@ class C4IndexerCompute:
         )
 
     def compute_q_bf16(self, q_lora, positions, weight, q_lora_quant=None):
-        """The query for bf16 index keys: upstream's projection, RoPE and Hadamard rotation in
-        fp32, rounded to bf16 rather than quantized to fp8. The head weights get the indexer's
-        weight scale and no per-query scale. Returns (q [T, H, D] bf16, weights [T, H] fp32)."""
+        """The query for bf16 index keys: upstream's projection, then RoPE and Hadamard rotation
+        in fp32 rounded to bf16 rather than quantized to fp8 (one fused kernel on CUDA). The head
+        weights get the indexer's weight scale and no per-query scale.
+        Returns (q [T, H, D] bf16, weights [T, H] fp32)."""
         q, _ = self.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
         q = q.view(-1, self.n_local_heads, self.head_dim)
-        q = apply_rope_tail(q, self.freqs_cis[positions.long()])
-        return hadamard_rotate(q).to(torch.bfloat16), weight.float() * self.weight_scale
+        return index_query_bf16(q, self.freqs_cis, positions), weight.float() * self.weight_scale
 
 
 class C4IndexerBackendCompute:
@@ -304,9 +323,11 @@ class C4IndexerBackendCompute:
         """forward_c4_indexer for a bf16 index-K pool (C4Indexer.forward routes here).
 
         Same inputs, same outputs: the compressor stores this step's keys, the query stays bf16,
-        the logits are float32 [rows, max_compressed_seq_len] with -inf past each row (as
-        upstream's sm_120 path), and upstream's top-k step fills c4_sparse_page_indices. Prefill
-        runs the same paged kernel in row chunks; it has no fp8-only ragged variant to take.
+        the logits are float32 [rows, max_compressed_seq_len] (each row's first seq_len scores;
+        upstream's top-k reads no more), and upstream's top-k step fills c4_sparse_page_indices.
+        Rows go in chunks (query, logits, top-k per chunk) whose temporaries fit the indexer's
+        memory budget (indexer_rows_per_chunk), never more than upstream's own row chunk.
+        Prefill runs the same paged kernel; it has no fp8-only ragged variant to take.
         Streams run in sequence here: only the wait for q_lora is kept.
         """
         if forward_batch.forward_mode.is_idle():
@@ -325,7 +346,6 @@ class C4IndexerBackendCompute:
         if q_lora_ready is not None:  # on a side stream: q_lora comes from the caller's stream
             torch.cuda.current_stream().wait_event(q_lora_ready)
         weights = c4_indexer.compute_weights(x, skip_scale=True)
-        q, weights = c4_indexer.compute_q_bf16(q_lora, positions, weights, q_lora_quant)
 
         seq_lens = resize_query_rows(paged.compressed_seq_lens, rows, 1)
         page_table = resize_query_rows(paged.page_table, rows, 0)
@@ -334,18 +354,29 @@ class C4IndexerBackendCompute:
             return
         positions_out = self._c4_raw_indices(forward_batch, core, selected)
         keys = self.token_to_kv_pool.get_index_k_bf16_buffer(c4_indexer.layer_id)
-        for part in iter_row_chunks(num_rows=rows, rows_per_chunk=paged.rows_per_chunk):
+        rows_per_chunk = indexer_rows_per_chunk(
+            rows, paged.max_compressed_seq_len, c4_indexer.n_local_heads
+        )
+        if paged.rows_per_chunk is not None:
+            rows_per_chunk = min(rows_per_chunk, paged.rows_per_chunk)
+        for part in iter_row_chunks(num_rows=rows, rows_per_chunk=rows_per_chunk):
+            whole = part == slice(0, rows)
+            # the quantized copy of q_lora cannot be cut by rows: chunks project q_lora itself
+            q, head_weights = c4_indexer.compute_q_bf16(
+                q_lora[part], positions[part], weights[part], q_lora_quant if whole else None
+            )
             logits = bf16_paged_mqa_logits(
-                q[part].unsqueeze(1), keys, weights[part], seq_lens[part], page_table[part],
+                q.unsqueeze(1), keys, head_weights, seq_lens[part], page_table[part],
                 paged.max_compressed_seq_len,
             )
+            del q  # one chunk of query and logits alive at a time
             self._c4_topk_transform(
                 logits, seq_lens[part], page_table[part], selected[part],
                 None if positions_out is None else positions_out[part],
                 paged.compressed_page_size,
-                paged.topk_metadata if part == slice(0, rows) else None,
+                paged.topk_metadata if whole else None,
             )
-            del logits  # one chunk of logits alive at a time
+            del logits
         self._c4_after_topk(forward_batch, c4_indexer, paged, core, positions_out)
 
     def _c4_topk_transform(
@@ -406,35 +437,28 @@ class C4IndexerBackendCompute:
 # --- compute: the write path (sglang.srt.layers.attention.dsv4.compressor_v2 and the backend) --
 
 
-def bf16_index_keys_from_plan(kv, plan, out_loc, norm, freqs_cis):
-    """Index keys to store from compressed rows kv [N, D] (one per row of `plan`).
+def store_bf16_index_keys_from_plan(pool_rows, kv, plan, out_loc, norm, freqs_cis) -> None:
+    """Store the index keys of compressed rows kv [N, D] (one per row of `plan`) into the bf16
+    pool rows pool_rows [slots, D].
 
     The steps upstream's fused store runs before quantizing to fp8, in fp32: RMSNorm with the
     compressor's weight, RoPE at the compressed token's position (seq_len - ratio), the Hadamard
-    rotation; then bf16. Rows that complete no group (decode: seq_len not a multiple of the ratio;
-    prefill: invalid plan rows) are aimed at slot 0, the pool's reserved padding slot, so shapes
-    never depend on data (CUDA graphs). Returns (keys bf16 [N, D], slots int64 [N]).
+    rotation; then bf16 (one fused kernel on CUDA). Rows that complete no compressed token
+    (decode: seq_len not a multiple of the ratio; prefill: invalid plan rows) are skipped, as
+    upstream skips them: nothing is written for them, slot 0 included.
     """
-    fields = plan[1].view(torch.int32)  # 16-byte plan rows: seq_len (uint32) first
-    seq_lens = fields[:, 0]
-    if plan.is_decode:
-        completes = seq_lens % plan.compress_ratio == 0
-        slots = out_loc.long()
-    else:
-        completes = seq_lens != -1  # 0xffffffff marks an invalid row
-        slots = out_loc.long()[(fields[:, 1] & 0xFFFF).long()]  # low half: the ragged token id
-    slots = torch.where(completes, slots, torch.zeros_like(slots))
-    positions = (seq_lens - plan.compress_ratio).clamp(min=0).long()
-    x = kv.float()
-    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.variance_epsilon)
-    x = apply_rope_tail(x * norm.weight.float(), freqs_cis[positions])
-    return hadamard_rotate(x).to(torch.bfloat16), slots
+    store_index_keys_bf16(
+        pool_rows, kv, norm.weight, norm.variance_epsilon, freqs_cis,
+        plan[1].view(torch.int32),  # 16-byte plan rows: seq_len (uint32) first
+        out_loc, plan.compress_ratio, plan.is_decode,
+    )
 
 
 class CompressorBackendCompute:
     def forward_indexer_compressor_bf16(self, x, forward_batch, layer_id, compressor) -> None:
         """The c4 indexer's compressor for a bf16 index-K pool: upstream's compress_forward, then
-        bf16_index_keys_from_plan, then the pool's bf16 store (in place of the fused fp8 store)."""
+        store_bf16_index_keys_from_plan into the pool's bf16 rows (in place of the fused fp8
+        store)."""
         if forward_batch.forward_mode.is_idle():
             return
         ratio, head_dim = compressor.ratio, compressor.head_dim
@@ -450,10 +474,11 @@ class CompressorBackendCompute:
             head_dim=head_dim,
             is_online=False,
         )
-        keys, slots = bf16_index_keys_from_plan(
-            compressed, plan, self._get_out_loc(ratio), compressor.norm, compressor.freqs_cis
+        pool_rows = self.token_to_kv_pool.get_index_k_bf16_buffer(layer_id).view(-1, head_dim)
+        store_bf16_index_keys_from_plan(
+            pool_rows, compressed, plan, self._get_out_loc(ratio), compressor.norm,
+            compressor.freqs_cis,
         )
-        self.token_to_kv_pool.set_index_k_bf16(layer_id, slots, keys)
 
 
 class DeepseekV4BackendCompute:
@@ -490,25 +515,24 @@ COMPUTE_ADDS = (
     Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute._c4_topk_transform),
     Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute._c4_raw_indices),
     Add(owner=C4_INDEXER_BACKEND, func=C4IndexerBackendCompute._c4_after_topk),
-    Add(owner=COMPRESSOR_MODULE, func=bf16_index_keys_from_plan),
+    Add(owner=COMPRESSOR_MODULE, func=store_bf16_index_keys_from_plan),
     Add(owner=COMPRESSOR_BACKEND, func=CompressorBackendCompute.forward_indexer_compressor_bf16),
     # A method of the backend class in front of the mixin's forward_indexer_compressor alias.
     Add(owner=DSV4_BACKEND, func=DeepseekV4BackendCompute.forward_indexer_compressor),
 )
 COMPUTE_IMPORTS = {
     INDEXER_MODULE: (
-        "from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits",
-        "from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate",
+        "from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits, indexer_rows_per_chunk",
+        "from sgl_kernel_dsv4.index_rotation import index_query_bf16",
     ),
-    COMPRESSOR_MODULE: (
-        "from sgl_kernel_dsv4.index_rotation import apply_rope_tail, hadamard_rotate",
-    ),
+    COMPRESSOR_MODULE: ("from sgl_kernel_dsv4.index_rotation import store_index_keys_bf16",),
 }
 # The kernels travel with the exported patch as new upstream modules.
 COMPUTE_NEW_FILES = {
     "sglang.kernels.ops.attention.dsv4.bf16_index_logits": "sgl_kernel_dsv4.index_logits",
     "sglang.kernels.ops.attention.dsv4.bf16_index_logits_triton": "sgl_kernel_dsv4.index_logits_triton",
     "sglang.kernels.ops.attention.dsv4.index_rotation": "sgl_kernel_dsv4.index_rotation",
+    "sglang.kernels.ops.attention.dsv4.index_rotation_triton": "sgl_kernel_dsv4.index_rotation_triton",
 }
 
 FIX = Fix(
@@ -530,14 +554,17 @@ FIX = Fix(
         "pools (the getters wait for the layer's HiCache transfer). dsv4_index_k_bytes_per_token "
         "is the one byte rule for every dtype; the pool records its dtype as index_k_dtype. "
         "Compute: C4Indexer.forward sends a layer whose pool is bf16 to forward_c4_indexer_bf16 "
-        "(others to upstream's forward_c4_indexer): the query gets upstream's RoPE and Hadamard "
-        "rotation but stays bf16, sgl_kernel_dsv4's bf16_paged_mqa_logits (Triton on CUDA, "
-        "written for sm_120; torch elsewhere) scores the pool's bf16 pages with upstream's "
-        "output contract (float32, -inf past each row), and upstream's top-k step follows; "
-        "prefill uses the same paged kernel in row chunks. Write path: DeepseekV4AttnBackend."
+        "(others to upstream's forward_c4_indexer): the query gets RoPE and the Hadamard "
+        "rotation but stays bf16, sgl_kernel_dsv4's bf16_paged_mqa_logits scores the pool's "
+        "bf16 pages (each row's first seq_len positions; the kernel's work follows the keys a "
+        "row has, not the page table's width, and upstream's top-k reads no further), and "
+        "upstream's top-k step follows, in row chunks whose temporaries fit a budget "
+        "(SGLANG_DSV4_INDEXER_BUDGET_MIB, default 512). Write path: DeepseekV4AttnBackend."
         "forward_indexer_compressor sends bf16 pools through upstream's compress_forward, then "
-        "RMSNorm, RoPE and Hadamard rotation in fp32 and the pool's bf16 store, where fp8 pools "
-        "keep upstream's fused fp8 store (forward_unified)."
+        "RMSNorm, RoPE and Hadamard rotation in fp32 and a bf16 store into the pool slots that "
+        "skips rows completing no token, as upstream does; fp8 pools keep upstream's fused fp8 "
+        "store (forward_unified). On CUDA the query, the key store and the logits are one "
+        "Triton kernel each (written for sm_120); elsewhere their torch references run."
     ),
     upstream="not upstream",
     remove_when="upstream ships a bf16 (or otherwise lossless) index-K option for DeepSeek-V4.",

@@ -1,14 +1,20 @@
 """bf16 paged MQA logits for the DeepSeek-V4 c4 lightning indexer.
 
-For each query row b and cached key position t (t < max_seq_len):
+For each query row b and cached key position t < min(seq_lens[b], max_seq_len):
 
-    logits[b, t] = sum_h weights[b, h] * relu(q[b, 0, h, :] . k[t, :])     if t < seq_lens[b]
-    logits[b, t] = -inf                                                    otherwise
+    logits[b, t] = sum_h weights[b, h] * relu(q[b, 0, h, :] . k[t, :])
 
-where k[t] is slot t % 64 of page page_table[b, t // 64] of `kv_cache`. A position whose page-table
-entry is negative (unused, -1) or lies past the page table's width is -inf too. -inf is what
-upstream's sm_120 fp8 path (`fp8_paged_mqa_logits_torch_sm120`) leaves beyond the sequence, so
-the top-k step after it never selects those positions and nothing downstream changes.
+where k[t] is slot t % 64 of page page_table[b, t // 64] of `kv_cache`; a position whose page-table
+entry is negative (unused, -1) or lies past the page table's width is -inf.
+
+Positions t >= seq_lens[b] are unspecified: the Triton kernel does not visit pages past a row's
+last one (it writes -inf only up to the end of that page), so its work follows the keys a row
+has, not the page table's width. The torch path writes -inf there (it is the reference and may
+do more than the contract asks). Upstream's top-k steps read a row's first seq_lens[b] scores
+only: the torch and flashinfer-unfused paths mask the rest to -inf before selecting, the CUDA
+top-k v1 kernel selects over [0, seq_len), v2 loads whole 4-float vectors and overwrites the
+tail past seq_len with its padding value; upstream itself calls DeepGEMM's paged logits with
+clean_logits=False, which leaves those positions unwritten too.
 
 Shapes and dtypes (the c4 indexer of DeepSeek-V4: 64 heads, head_dim 128, pages of 64 keys):
 
@@ -20,19 +26,18 @@ Shapes and dtypes (the c4 indexer of DeepSeek-V4: 64 heads, head_dim 128, pages 
     returns     float32  [B, max_seq_len]
 
 Both implementations take the same arguments. `bf16_paged_mqa_logits` picks the Triton kernel on
-CUDA and the torch path elsewhere.
+CUDA and the torch path elsewhere. `indexer_rows_per_chunk` sizes row chunks of the bf16 indexer
+(query, logits, top-k) so that its temporaries stay under a memory budget at any row count.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 PAGE_TOKENS = 64
 HEAD_DIM = 128
-
-# Bytes of fp32 intermediates (keys upcast to fp32 plus per-head scores) the torch path keeps
-# alive per step; bounds its memory whatever the batch and context.
-_TORCH_STEP_BYTES = 128 << 20
 
 
 class IndexLogitsInputError(ValueError):
@@ -77,9 +82,19 @@ def check_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len) -> tor
     return seq_lens
 
 
+def _page_step_bytes(heads: int) -> int:
+    """Bytes the torch path's step keeps alive per query row and page: the gathered bf16 keys,
+    their fp32 copy, the per-head scores and their weighted copy, the row's logits."""
+    return PAGE_TOKENS * (HEAD_DIM * (2 + 4) + heads * 4 * 2 + 4 * 2)
+
+
+def torch_step_bytes() -> int:
+    """What the torch path's page steps may keep alive: a quarter of the indexer's budget."""
+    return indexer_budget_bytes() // 4
+
+
 def _pages_per_step(batch: int, heads: int, pages: int) -> int:
-    per_page = batch * PAGE_TOKENS * (HEAD_DIM + heads) * 4
-    return max(1, min(pages, _TORCH_STEP_BYTES // per_page))
+    return max(1, min(pages, torch_step_bytes() // (batch * _page_step_bytes(heads))))
 
 
 def bf16_paged_mqa_logits_torch(q, kv_cache, weights, seq_lens, page_table, max_seq_len):
@@ -116,7 +131,8 @@ def bf16_paged_mqa_logits_torch(q, kv_cache, weights, seq_lens, page_table, max_
 
 def bf16_paged_mqa_logits_triton(q, kv_cache, weights, seq_lens, page_table, max_seq_len):
     """Triton kernel written for sm_120 (mma.sync through `tl.dot`, no wgmma/TMA, under 100 KB of
-    shared memory per program). Same contract as the torch path."""
+    shared memory per program). Same contract as the torch path; launch rule and config in
+    `index_logits_triton`."""
     seq_lens = check_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
     # Imported here so that importing this package never imports Triton, and so that
     # TRITON_INTERPRET set before the first call is honoured.
@@ -130,3 +146,42 @@ def bf16_paged_mqa_logits(q, kv_cache, weights, seq_lens, page_table, max_seq_le
     if q.is_cuda:
         return bf16_paged_mqa_logits_triton(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
     return bf16_paged_mqa_logits_torch(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
+
+
+# --- memory of the bf16 indexer per row chunk -----------------------------------------------
+
+INDEXER_BUDGET_ENV = "SGLANG_DSV4_INDEXER_BUDGET_MIB"
+INDEXER_BUDGET_MIB = 512
+# Per query row and logits column: the fp32 logits (4 B), the torch top-k step's masked fp32
+# copy (4 B) and its position mask (1 B), rounded up.
+LOGIT_BYTES_PER_COL = 12
+# Per query row and query value (H x 128): the projection's bf16 output, the torch rotation's
+# fp32 temporaries (at most four alive) and the bf16 result, rounded up.
+QUERY_BYTES_PER_VALUE = 24
+
+
+def indexer_budget_bytes() -> int:
+    """The bf16 indexer's temporary-memory budget per rank: SGLANG_DSV4_INDEXER_BUDGET_MIB
+    (default 512), read at each call."""
+    value = os.environ.get(INDEXER_BUDGET_ENV, "").strip()
+    if not value:
+        return INDEXER_BUDGET_MIB << 20
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{INDEXER_BUDGET_ENV}={value!r} must be a positive number of MiB")
+    return int(value) << 20
+
+
+def indexer_rows_per_chunk(num_rows: int, num_cols: int, heads: int, budget_bytes=None) -> int:
+    """Query rows the bf16 indexer handles at once so its temporaries fit `budget_bytes`
+    (default: `indexer_budget_bytes()`); at least 1, at most num_rows. From shapes only.
+
+    peak <= budget / 4 + rows * (12 * num_cols + 24 * heads * 128): the torch logits path's page
+    steps keep at most a quarter of the budget (`torch_step_bytes`) once the rows fit one page
+    step in it; the rest holds each row's logits, top-k and query temporaries.
+    """
+    budget = indexer_budget_bytes() if budget_bytes is None else budget_bytes
+    per_row = LOGIT_BYTES_PER_COL * num_cols + QUERY_BYTES_PER_VALUE * heads * HEAD_DIM
+    rows = (budget - budget // 4) // per_row
+    # the torch path's smallest step (one page for every row) must fit its quarter
+    rows = min(rows, (budget // 4) // _page_step_bytes(heads))
+    return max(1, min(num_rows, rows))

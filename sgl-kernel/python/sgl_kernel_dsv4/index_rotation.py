@@ -3,8 +3,26 @@
 Upstream 0.5.23 fuses them into its fp8 store and query kernels (`fused_norm_rope_indexer`,
 `fused_q_indexer_rope_hadamard_quant`): RoPE on the trailing rope dims, then the normalized
 128-point Walsh-Hadamard rotation (Sylvester order), in fp32, then fp8 quantization. The bf16 path
-runs the same two steps here in plain torch and rounds to bf16 instead. Both functions are
-CUDA-graph safe: no host sync and no shape that depends on data.
+runs the same steps and rounds to bf16 instead.
+
+This module is the torch reference and CPU fallback; `index_rotation_triton` holds one fused
+Triton kernel for each of the two public operations, and the dispatchers pick it on CUDA:
+
+- `index_query_bf16(q, freqs_cis, positions)`: the indexer query [T, H, D] -> bf16 [T, H, D]:
+  RoPE on the tail at each token's position, Hadamard rotation, bf16.
+  (`index_query_bf16_torch`, `index_query_bf16_triton`)
+- `store_index_keys_bf16(pool_rows, kv, norm_weight, eps, freqs_cis, plan_rows, out_loc,
+  compress_ratio, is_decode)`: the compressor's rows kv [N, D] -> RMSNorm (weight), RoPE at the
+  compressed token's position (seq_len - ratio), Hadamard rotation, bf16, stored into
+  pool_rows [slots, D] at each row's slot. `plan_rows` is upstream's compress plan viewed as
+  int32 [N, 4] (seq_len first; prefill: ragged token id in the low 16 bits of the second).
+  Rows that complete no compressed token (decode: seq_len not a multiple of the ratio; prefill:
+  invalid rows, seq_len 0xffffffff) are skipped, as upstream's fused store skips them.
+  (`store_index_keys_bf16_torch`, `store_index_keys_bf16_triton`)
+- `apply_rope_tail`, `hadamard_rotate`: the two steps on their own (fp32).
+
+The torch functions other than the store are CUDA-graph safe (no host sync, no shape from data);
+the torch store selects the rows to write by value, which is fine on the CPU it serves.
 """
 
 from __future__ import annotations
@@ -40,3 +58,81 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
         out = torch.stack((low + high, low - high), dim=2)
         half *= 2
     return out.reshape(x.shape) * n**-0.5
+
+
+def index_query_bf16_torch(q: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor):
+    """Reference of `index_query_bf16`: q [T, H, D] (any float dtype), freqs_cis complex [P, F],
+    positions int [T] -> bf16 [T, H, D]."""
+    rotated = apply_rope_tail(q, freqs_cis[positions.long()])
+    return hadamard_rotate(rotated).to(torch.bfloat16)
+
+
+def index_key_targets(plan_rows, out_loc, compress_ratio: int, is_decode: bool):
+    """From a compress plan (int32 [N, 4]) and the step's out_loc: (positions int64 [N], slots
+    int64 [N], valid bool [N]). Positions of invalid rows are clamped to 0 and their slots are
+    meaningless: they must not be written."""
+    seq_lens = plan_rows[:, 0]
+    if is_decode:
+        valid = seq_lens % compress_ratio == 0
+        slots = out_loc.long()
+    else:
+        valid = seq_lens != -1  # 0xffffffff marks an invalid row
+        slots = out_loc.long()[(plan_rows[:, 1] & 0xFFFF).long()]
+    positions = (seq_lens.long() - compress_ratio).clamp(min=0)
+    return positions, slots, valid
+
+
+def index_keys_bf16_torch(kv, norm_weight, eps: float, freqs_cis, positions):
+    """RMSNorm (weight), RoPE at `positions`, Hadamard rotation, bf16: the keys of kv [N, D]."""
+    x = kv.float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    x = apply_rope_tail(x * norm_weight.float(), freqs_cis[positions])
+    return hadamard_rotate(x).to(torch.bfloat16)
+
+
+def store_index_keys_bf16_torch(pool_rows, kv, norm_weight, eps, freqs_cis, plan_rows, out_loc,
+                                compress_ratio, is_decode) -> None:
+    """Reference of `store_index_keys_bf16` (see the module docstring)."""
+    _check_store(pool_rows, kv, plan_rows)
+    positions, slots, valid = index_key_targets(plan_rows, out_loc, compress_ratio, is_decode)
+    keys = index_keys_bf16_torch(kv, norm_weight, eps, freqs_cis, positions)
+    pool_rows.index_copy_(0, slots[valid], keys[valid])
+
+
+def _check_store(pool_rows, kv, plan_rows) -> None:
+    if pool_rows.dtype != torch.bfloat16 or pool_rows.dim() != 2 or pool_rows.stride(1) != 1:
+        raise ValueError(
+            f"store_index_keys_bf16: pool_rows must be dense bfloat16 [slots, D], got "
+            f"{pool_rows.dtype} {list(pool_rows.shape)}"
+        )
+    if kv.dim() != 2 or kv.shape[1] != pool_rows.shape[1]:
+        raise ValueError(
+            f"store_index_keys_bf16: kv must be [N, {pool_rows.shape[1]}], got {list(kv.shape)}"
+        )
+    if plan_rows.dtype != torch.int32 or tuple(plan_rows.shape) != (kv.shape[0], 4):
+        raise ValueError(
+            f"store_index_keys_bf16: plan_rows must be int32 [{kv.shape[0]}, 4], got "
+            f"{plan_rows.dtype} {list(plan_rows.shape)}"
+        )
+
+
+def index_query_bf16(q, freqs_cis, positions):
+    """The fused Triton kernel on CUDA, the torch reference elsewhere."""
+    if q.is_cuda:
+        from sgl_kernel_dsv4.index_rotation_triton import index_query_bf16_triton
+
+        return index_query_bf16_triton(q, freqs_cis, positions)
+    return index_query_bf16_torch(q, freqs_cis, positions)
+
+
+def store_index_keys_bf16(pool_rows, kv, norm_weight, eps, freqs_cis, plan_rows, out_loc,
+                          compress_ratio, is_decode) -> None:
+    """The fused Triton kernel on CUDA, the torch reference elsewhere."""
+    if kv.is_cuda:
+        from sgl_kernel_dsv4.index_rotation_triton import store_index_keys_bf16_triton
+
+        store = store_index_keys_bf16_triton
+    else:
+        store = store_index_keys_bf16_torch
+    store(pool_rows, kv, norm_weight, eps, freqs_cis, plan_rows, out_loc, compress_ratio,
+          is_decode)
