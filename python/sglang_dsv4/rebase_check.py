@@ -340,9 +340,11 @@ def check(
         for fact in facts:
             fact.precheck = reasons[fact.module]
         chosen = [f for f in facts if not only or f.id in only]
-        if tests:
-            files = [t for f in chosen for t in f.tests]
-            unfit = [f.id for f in facts if f.precheck or f.not_applying or f.already_applied]
+        unfit = [f.id for f in facts if f.precheck or f.not_applying or f.already_applied]
+        # Tests decide only between needed and already upstream: a fix judged from its targets
+        # and patch (broken, or its patch already applied) needs no test run.
+        files = [t for f in chosen if f.id not in unfit for t in f.tests]
+        if tests and files:
             deliveries = {
                 "pristine": (python_dir, False),
                 "patched": (repo / "python", False),
@@ -351,7 +353,7 @@ def check(
             for delivery, (tree, plugin) in deliveries.items():
                 result = run_tests(tree, files, plugin, unfit, work / delivery)
                 for fact in chosen:
-                    fact.results[delivery] = {t: result[t] for t in fact.tests}
+                    fact.results[delivery] = {t: result[t] for t in fact.tests if t in result}
         by_id = {fix.id: fix for fix, _ in fixes}
         verdicts = [decide(by_id[f.id], f, version, tests) for f in chosen]
     return version, verdicts
