@@ -14,6 +14,7 @@ import ast
 import importlib.util
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -331,19 +332,30 @@ def test_toy_series_has_git_format_patch_shape(toy):
     fix = toy.main_fix()
     outcomes = toy.export([declared, fix, upstreamed])
 
-    assert [o.patch is not None for o in outcomes] == [False, True, False]
+    assert [len(o.patches) for o in outcomes] == [0, 2, 0]
     assert "declared, not implemented" in outcomes[0].note
     assert "already upstream" in outcomes[2].note
     out = toy.tmp / "patches"
-    name = outcomes[1].patch
-    assert (out / "series").read_text() == f"{name}\n"
-    assert sorted(p.name for p in out.iterdir()) == sorted([name, "series"])
+    kernels, name = outcomes[1].patches
+    assert name == outcomes[1].patch
+    assert (out / "series").read_text() == f"{kernels}\n{name}\n"
+    assert sorted(p.name for p in out.iterdir()) == sorted([kernels, name, "series"])
+    # the new files (kernels) first, on their own, as a reviewer takes them
+    kernel_text = (out / kernels).read_text()
+    assert f"Subject: [PATCH 1/2] {fix.area}: kernels for {fix.title}" in kernel_text
+    touched = re.findall(r"^diff --git a/(\S+)", kernel_text, flags=re.M)
+    assert touched and all(
+        path.removeprefix("python/").removesuffix(".py").replace("/", ".") in fix.new_files
+        for path in touched
+    )
+    assert "\nOrigin: " in kernel_text and "\nRemove-When: " in kernel_text
     text = (out / name).read_text()
+    assert "new file mode" not in text
     lines = text.splitlines()
     assert lines[0] == "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001"
     assert lines[1] == f"From: {export.AUTHOR_NAME} <{export.AUTHOR_EMAIL}>"
     assert lines[2].startswith("Date: ") and "2026" in lines[2]
-    assert lines[3] == f"Subject: [PATCH 1/1] {fix.area}: {fix.title}"
+    assert lines[3] == f"Subject: [PATCH 2/2] {fix.area}: {fix.title}"
     for field in ("Why: ", "How: ", "Origin: ", "Forwarded: no", "Applied-Upstream: no"):
         assert f"\n{field}" in text
     assert "\nRemove-When: the toy upstream does it itself." in text
@@ -473,7 +485,7 @@ def test_exporting_twice_gives_identical_bytes(toy):
     toy.export(fixes, "first")
     toy.export(fixes, "second")
     first, second = patch_files(toy.tmp / "first"), patch_files(toy.tmp / "second")
-    assert first == second and len(first) == 2
+    assert first == second and len(first) == 3  # kernels, integration, series
 
 
 def test_stale_patches_are_removed_from_out(toy):
@@ -643,13 +655,17 @@ def test_real_series_is_deterministic_applies_and_carries_every_function(pinned_
     for o in first:
         expect_patch = o.fix.implemented and not o.fix.upstream.startswith("upstream since")
         assert (o.patch is not None) == expect_patch, (o.fix.id, o.note)
+        assert len(o.patches) == (1 + bool(o.fix.new_files) if expect_patch else 0)
 
     names = export.apply_series(tmp_path / "first", pinned_upstream, tmp_path / "tree")
-    assert names == [o.patch for o in first if o.patch]
+    assert names == [name for o in first for name in o.patches]
     subjects = export.git(["log", "--reverse", "--format=%s"], tmp_path / "tree").splitlines()
-    assert subjects == [f"upstream sglang {UPSTREAM_PIN}"] + [
-        f"{f.area}: {f.title}" for f in exported
-    ]
+    expected = [f"upstream sglang {UPSTREAM_PIN}"]
+    for f in exported:
+        if f.new_files:
+            expected.append(f"{f.area}: kernels for {f.title} (new files)")
+        expected.append(f"{f.area}: {f.title}")
+    assert subjects == expected
 
     # every function the plugin installs stands in the patched tree, as its own source
     python = tmp_path / "tree" / "python"

@@ -16,6 +16,10 @@ COMMANDS = {
     "status": ("sglang_dsv4.status", "upstream pin, each fix and whether it is in force"),
     "export-patches": ("sglang_dsv4.export", "write the carried changes as a git patch series"),
     "plan": ("sglang_dsv4.plan", "per-rank KV memory plan of a DeepSeek-V4 model (no GPU needed)"),
+    "rebase-check": (
+        "sglang_dsv4.rebase_check",
+        "fix by fix on another upstream tree: needed, already upstream, or broken",
+    ),
 }
 
 

@@ -90,19 +90,24 @@ def cache_root() -> Path:
 
 def fetch_pinned_upstream() -> Path:
     """The `python/` directory of the pinned release, unpacked from its wheel (downloaded once)."""
-    root = cache_root() / f"sglang-{UPSTREAM_PIN}"
+    return fetch_upstream(UPSTREAM_PIN)
+
+
+def fetch_upstream(release: str) -> Path:
+    """The `python/` directory of an upstream release, unpacked from its wheel (downloaded once)."""
+    root = cache_root() / f"sglang-{release}"
     if (root / "python" / "sglang").is_dir():
         return root / "python"
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        cmd += ["--dest", tmp, f"sglang=={UPSTREAM_PIN}"]
+        cmd += ["--dest", tmp, f"sglang=={release}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(Path(tmp).glob("sglang-*.whl"))
         if proc.returncode or not wheels:
             reason = _last_line(proc.stderr or proc.stdout) or "no wheel"
             raise ExportError(
-                f"cannot download sglang=={UPSTREAM_PIN} with pip ({reason}); "
+                f"cannot download sglang=={release} with pip ({reason}); "
                 "pass --upstream-src DIR with upstream's source instead"
             )
         staging = Path(tmp) / "tree"
@@ -674,8 +679,15 @@ def _carry_new_files(fix: Fix, tree: Tree, pristine: Path) -> list[str]:
 @dataclass
 class Outcome:
     fix: Fix
-    patch: str | None = None  # file name in the series
+    # File names in the series: the new files (kernels) first when the fix carries any, as an
+    # upstream reviewer takes a kernel and its integration as two changes; then the integration.
+    patches: list[str] = field(default_factory=list)
     note: str = ""
+
+    @property
+    def patch(self) -> str | None:
+        """The integration patch (the fix's functions), or None when the fix exports nothing."""
+        return self.patches[-1] if self.patches else None
 
 
 def _written_functions(fix: Fix, tree: Tree) -> list[Written]:
@@ -709,10 +721,10 @@ def _import_statements(fix: Fix, module: str, tree: Tree) -> list[cst.SimpleStat
     return statements
 
 
-def apply_fix(fix: Fix, tree: Tree) -> list[str]:
+def apply_fix(fix: Fix, tree: Tree, carry_new_files: bool = True) -> list[str]:
     """Write `fix` into `tree`; returns the repository paths it changed."""
     pristine = tree.python_dir
-    touched = _carry_new_files(fix, tree, pristine)
+    touched = _carry_new_files(fix, tree, pristine) if carry_new_files else []
     written = _written_functions(fix, tree)
     modules = list(dict.fromkeys([w.module for w in written] + list(fix.imports)))
     for module in modules:
@@ -873,6 +885,11 @@ def _git_env() -> dict[str, str]:
         GIT_COMMITTER_DATE=PATCH_DATE,
         TZ="UTC",
         LC_ALL="C",
+        # A whole upstream tree is more loose objects than gc.auto allows: git would start a
+        # detached gc that still writes into .git while the caller removes the directory.
+        GIT_CONFIG_COUNT="1",
+        GIT_CONFIG_KEY_0="gc.auto",
+        GIT_CONFIG_VALUE_0="0",
     )
     return env
 
@@ -921,6 +938,21 @@ def commit_message(fix: Fix) -> str:
     return "\n\n".join(parts + ["\n".join(fields)]) + "\n"
 
 
+def new_files_message(fix: Fix) -> str:
+    """The message of the patch that carries a fix's new files (its kernels) on their own."""
+    lines = [f"{fix.area}: kernels for {fix.title} (new files)"]
+    for module, source in fix.new_files.items():
+        doc = (importlib.import_module(source).__doc__ or "").strip().split("\n\n")[0]
+        lines.append(textwrap.fill(f"{module}: {' '.join(doc.split())}", 72, subsequent_indent=" "))
+    lines.append(
+        textwrap.fill(
+            f"Standalone: nothing imports these modules until the next patch ({fix.title}).",
+            72,
+        )
+    )
+    return "\n\n".join(lines) + "\n\n" + commit_message(fix).split("\n\n")[-1]
+
+
 def _summary(fix: Fix) -> str:
     parts = [
         f"{len(fix.replaces)} replaced" if fix.replaces else "",
@@ -940,13 +972,16 @@ def export_series(fixes: Sequence[Fix], python_dir: Path, out: Path) -> list[Out
             outcomes.append(Outcome(fix, note=f"{fix.upstream}: already upstream, no patch"))
         elif not fix.implemented:
             outcomes.append(Outcome(fix, note="declared, not implemented: no patch"))
-        elif not apply_fix(fix, tree):
-            outcomes.append(
-                Outcome(fix, note="its functions equal upstream's at the pin: no patch")
-            )
         else:
-            outcomes.append(Outcome(fix, note=_summary(fix)))
-            snapshots.append((fix, outcomes[-1], dict(tree.texts)))
+            outcome = Outcome(fix, note=_summary(fix))
+            if fix.new_files:
+                _carry_new_files(fix, tree, tree.python_dir)
+                snapshots.append((new_files_message(fix), outcome, dict(tree.texts)))
+            if apply_fix(fix, tree, carry_new_files=False):
+                snapshots.append((commit_message(fix), outcome, dict(tree.texts)))
+            elif not fix.new_files:
+                outcome.note = "its functions equal upstream's at the pin: no patch"
+            outcomes.append(outcome)
     with tempfile.TemporaryDirectory(prefix="sglang-dsv4-export-") as tmp:
         repo = Path(tmp) / "upstream"
         repo.mkdir()
@@ -956,12 +991,12 @@ def export_series(fixes: Sequence[Fix], python_dir: Path, out: Path) -> list[Out
                 (repo / path).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, repo / path)
         _init_repo(repo)
-        for fix, _, texts in snapshots:
+        for text_of_message, _, texts in snapshots:
             for path, text in texts.items():
                 (repo / path).parent.mkdir(parents=True, exist_ok=True)
                 (repo / path).write_text(text)
             message = Path(tmp) / "message"
-            message.write_text(commit_message(fix))
+            message.write_text(text_of_message)
             git(["add", "--all"], repo)
             git(["commit", "--quiet", "--cleanup=whitespace", f"--file={message}"], repo)
         patches = Path(tmp) / "patches"
@@ -991,7 +1026,7 @@ def export_series(fixes: Sequence[Fix], python_dir: Path, out: Path) -> list[Out
             stale.unlink(missing_ok=True)
         for name, (_, outcome, _) in zip(names, snapshots, strict=True):
             shutil.copyfile(patches / name, out / name)
-            outcome.patch = name
+            outcome.patches.append(name)
         (out / "series").write_text("".join(f"{name}\n" for name in names))
     return outcomes
 
@@ -1055,8 +1090,9 @@ def run(args) -> int:
         outcomes = export_series(FIXES, python_dir, args.out)
         width = max(len(o.fix.id) for o in outcomes) if outcomes else 0
         for o in outcomes:
-            print(f"{o.fix.id:<{width}}  {o.patch + ' (' + o.note + ')' if o.patch else o.note}")
-        count = sum(1 for o in outcomes if o.patch)
+            names = ", ".join(o.patches)
+            print(f"{o.fix.id:<{width}}  {names + ' (' + o.note + ')' if names else o.note}")
+        count = sum(len(o.patches) for o in outcomes)
         print(
             f"wrote {count} patch(es) and series to {args.out} (upstream sglang {UPSTREAM_PIN}, {python_dir})"
         )

@@ -59,6 +59,10 @@ class Fix:
     remove_when: str
     # Dotted upstream paths the change concerns (also those it does not touch yet).
     targets: tuple[str, ...]
+    # The fix's behaviour tests (repository paths under test/behaviour/): they fail on upstream
+    # without the fix and pass with either delivery; `sglang-dsv4 rebase-check` runs them on
+    # another upstream tree to tell whether the fix is still needed.
+    tests: tuple[str, ...] = ()
     replaces: tuple[Replace, ...] = ()
     adds: tuple[Add, ...] = ()
     # Import lines the exported patch adds to an upstream module, keyed by module.

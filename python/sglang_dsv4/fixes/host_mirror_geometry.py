@@ -270,6 +270,7 @@ FIX = Fix(
         "index-k-bf16 is upstream with a whole-page-only bf16 host mirror (or a bf16 "
         "token-granular copy) and a PD registration check of item lengths."
     ),
+    tests=("test/behaviour/test_host_mirror.py", "test/behaviour/test_pd_index_k_agreement.py",),
     targets=(
         f"{_ASSEMBLER}._dsv4_indexer_regions",
         f"{_HOST}.DeepSeekV4PagedHostPool",

@@ -143,6 +143,7 @@ FIX = Fix(
         "upstream checks its layer-transfer gates itself (or keeps an equivalent test) and "
         "index-k-bf16 is upstream."
     ),
+    tests=("test/behaviour/test_transfer_gate.py",),
     targets=(
         "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.wait_layer_transfer",
         f"{_POOL}.DeepSeekV4TokenToKVPool.register_layer_transfer_counter",

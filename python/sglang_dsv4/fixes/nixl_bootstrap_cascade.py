@@ -455,6 +455,7 @@ FIX = Fix(
         "upstream's NIXL control threads isolate each message, fail waiting rooms when a thread "
         "dies, and restart it."
     ),
+    tests=("test/behaviour/test_nixl_bootstrap.py",),
     targets=(
         f"{_MANAGER}._start_bootstrap_thread",
         f"{_MANAGER}._start_decode_listener_thread",

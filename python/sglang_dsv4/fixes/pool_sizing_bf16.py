@@ -79,6 +79,7 @@ FIX = Fix(
     ),
     upstream="not upstream",
     remove_when="upstream's configurator takes the indexer's bytes from the pool's own rule.",
+    tests=("test/behaviour/test_pool_sizing.py",),
     targets=(
         f"{POOL_MODULE}.get_dsv4_indexer_bytes_per_token",
         CONFIGURATOR,

@@ -1,0 +1,431 @@
+"""`sglang-dsv4 rebase-check`: fix by fix, is each carried change still needed on an upstream tree?
+
+The distribution is rebased onto every upstream release and each fix retires the day upstream has
+it. For a given upstream tree (a released wheel, fetched and cached like the pinned one, or a
+checkout laid out as upstream's repository) every fix of the register gets one verdict:
+
+- needed: its patch applies and the tree lacks the behaviour (the fix's behaviour tests fail on
+  the pristine tree, pass with the patch series applied and with the plugin);
+- already upstream: its patch is already applied (reverse-applies), the tree defines what the fix
+  adds, or its behaviour tests pass on the pristine tree without the plugin;
+- broken: a target moved (missing, signature changed, a name the fix imports is gone), its patch
+  does not apply (the hunk is named), or its tests fail with a delivery on that tree.
+
+Nothing is installed: the series is exported against the pinned release (as `export-patches` does),
+applied with `git apply` to a copy of the tree, and every check that imports upstream runs in a
+child process with that tree first on `sys.path` (`SGLANG_PLUGINS` excludes the plugin, except in
+the plugin delivery). The fix's tests are `Fix.tests` in the register.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sglang_dsv4 import UPSTREAM_PIN
+
+NEEDED = "needed"
+ALREADY = "already upstream"
+BROKEN = "broken"
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Upstream's loader skips every plugin when SGLANG_PLUGINS names only one that does not exist.
+NO_PLUGIN = "upstream-only"
+
+
+@dataclass
+class Verdict:
+    id: str
+    verdict: str
+    evidence: str
+    # What a maintainer deletes when the fix is upstream (paths of the distribution).
+    remove: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FixFacts:
+    """What rebase-check learns about one fix on the tree, before the verdict."""
+
+    id: str
+    module: str
+    tests: tuple[str, ...]
+    patches: list[str] = field(default_factory=list)
+    already_applied: list[str] = field(default_factory=list)
+    not_applying: list[str] = field(default_factory=list)  # "patch: hunk" lines
+    precheck: str | None = None
+    results: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # delivery -> outcome
+
+
+# --- the register, without importing upstream from the tree under test --------------------------
+
+
+def register() -> list[tuple[object, str]]:
+    """(Fix, module name) in register order, from the installed pin."""
+    from sglang_dsv4.fixes import FIXES
+
+    modules = {
+        getattr(mod, "FIX", None).id: name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("sglang_dsv4.fixes.") and hasattr(mod, "FIX")
+    }
+    return [(fix, modules[fix.id]) for fix in FIXES]
+
+
+def probe(modules: list[str]) -> dict[str, str | None]:
+    """In the child process: each fix module imported on its own, then its targets checked.
+
+    The `sglang_dsv4.fixes` package is entered without running its `__init__` (which imports
+    every fix), so one fix that cannot import on this tree does not hide the others' verdicts.
+    """
+    from sglang_dsv4.plugin import _precheck
+
+    isolation = _isolation_problem()
+    if isolation:
+        raise RebaseCheckError(isolation)
+    spec = importlib.util.find_spec("sglang_dsv4.fixes")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["sglang_dsv4.fixes"] = package
+    found: dict[str, str | None] = {}
+    for name in modules:
+        try:
+            fix = importlib.import_module(name).FIX
+        except Exception as exc:  # an ImportError, or upstream code failing as it imports
+            found[name] = f"fix module {name} does not import: {_one_line(exc)}"
+            continue
+        found[name] = _precheck(fix)
+    return found
+
+
+def _isolation_problem() -> str | None:
+    """Why this child process does not see the tree under test alone, or None."""
+    import sglang
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_dsv4 import plugin
+
+    tree = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
+    if not tree or not sglang.__file__.startswith(tree):
+        return f"sglang was imported from {sglang.__file__}, not from the tree {tree}"
+    load_plugins()
+    if plugin.STATE:
+        return "the dsv4_sm120 plugin ran although SGLANG_PLUGINS excludes it"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --- child processes on the tree ----------------------------------------------------------------
+
+
+def _env(python_dir: Path, plugin: bool, skip: list[str] = ()) -> dict[str, str]:
+    env = dict(os.environ)
+    ours = [str(REPO_ROOT / "python"), str(REPO_ROOT / "sgl-kernel" / "python")]
+    env["PYTHONPATH"] = os.pathsep.join([str(python_dir), *ours])
+    env.pop("SGLANG_DSV4_SKIP_FIXES", None)
+    if plugin:
+        env.pop("SGLANG_PLUGINS", None)
+        # The tree is not the pin by design here; its version is what is being judged.
+        env["SGLANG_DSV4_ALLOW_UNPINNED"] = "1"
+        if skip:
+            env["SGLANG_DSV4_SKIP_FIXES"] = ",".join(skip)
+    else:
+        env["SGLANG_PLUGINS"] = NO_PLUGIN
+    return env
+
+
+def run_probe(python_dir: Path, modules: list[str]) -> dict[str, str | None]:
+    cmd = [sys.executable, "-m", "sglang_dsv4.rebase_check", "--probe", *modules]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=_env(python_dir, plugin=False), cwd=REPO_ROOT
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RebaseCheckError(f"the probe on {python_dir} failed: {reason[0]}")
+    return json.loads(lines[-1])
+
+
+def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str], out: Path):
+    """Run behaviour test files on a tree; returns {file: {"passed": [...], "failed": [...]}}."""
+    report = out.with_suffix(".xml")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    proc = subprocess.run(
+        cmd + files,
+        capture_output=True,
+        text=True,
+        env=_env(python_dir, plugin, skip),
+        cwd=REPO_ROOT,
+    )
+    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+    results = {f: {"passed": [], "failed": []} for f in files}
+    if not report.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        for f in files:
+            results[f]["failed"].append(f"pytest did not run: {tail[0]}")
+        return results
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        path = case.get("classname", "").split(".")
+        # classname is "test.behaviour.test_x" (or "...test_x.Class"): find the file it names
+        file = next(
+            (f for f in files if ".".join(Path(f).with_suffix("").parts) in ".".join(path)), None
+        )
+        if file is None:
+            continue
+        failed = case.find("failure") is not None or case.find("error") is not None
+        if case.find("skipped") is not None and not failed:
+            continue
+        results[file]["failed" if failed else "passed"].append(case.get("name", "?"))
+    for f in files:
+        if not results[f]["passed"] and not results[f]["failed"]:
+            results[f]["failed"].append(f"no test of {f} ran (pytest exit {proc.returncode})")
+    return results
+
+
+# --- patches on a copy of the tree --------------------------------------------------------------
+
+
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    from sglang_dsv4.export import _git_env
+
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=_git_env())
+
+
+def _hunk(stderr: str) -> str:
+    """The first place git apply names, e.g. 'python/sglang/srt/x.py:120 does not apply'."""
+    for line in stderr.splitlines():
+        m = re.match(r"error: patch failed: (\S+):(\d+)", line)
+        if m:
+            return f"hunk at {m.group(1)}:{m.group(2)} does not apply"
+    for line in stderr.splitlines():
+        if line.startswith("error:"):
+            return line.removeprefix("error:").strip()
+    return stderr.strip().splitlines()[-1] if stderr.strip() else "git apply failed"
+
+
+def apply_patches(facts: list[FixFacts], patch_dir: Path, repo: Path) -> None:
+    """Apply each fix's patches in series order where they apply; record what does not."""
+    for fact in facts:
+        for name in fact.patches:
+            patch = str((patch_dir / name).resolve())
+            if _git(["apply", "--check", "--reverse", patch], repo).returncode == 0:
+                fact.already_applied.append(name)
+                continue
+            check = _git(["apply", "--check", patch], repo)
+            if check.returncode:
+                fact.not_applying.append(f"{name}: {_hunk(check.stderr)}")
+                continue
+            applied = _git(["apply", patch], repo)
+            if applied.returncode:
+                fact.not_applying.append(f"{name}: {_hunk(applied.stderr)}")
+
+
+# --- verdicts -----------------------------------------------------------------------------------
+
+
+def removal(fix, module: str) -> list[str]:
+    return [
+        "python/" + module.replace(".", "/") + ".py",
+        f"its entry in python/sglang_dsv4/fixes/__init__.py ({fix.id})",
+        *fix.tests,
+    ]
+
+
+def _failures(result: dict[str, list[str]], files: tuple[str, ...]) -> list[str]:
+    return [f"{f}::{name}" for f in files for name in result.get(f, {}).get("failed", [])]
+
+
+def decide(fix, fact: FixFacts, version: str, tests_run: bool) -> Verdict:
+    delete = removal(fix, fact.module)
+    retire = (
+        f"; register says upstream={fix.upstream!r}: set it to 'upstream since {version}' "
+        f"and delete the fix (Remove when: {fix.remove_when})"
+    )
+    if fact.patches and len(fact.already_applied) == len(fact.patches):
+        evidence = (
+            f"{', '.join(fact.already_applied)} already applied to the tree (reverse-applies)"
+        )
+        return Verdict(fix.id, ALREADY, evidence + retire, delete)
+    if fact.precheck and "upstream now defines it" in fact.precheck:
+        return Verdict(fix.id, ALREADY, fact.precheck + retire, delete)
+    if fact.precheck:
+        return Verdict(fix.id, BROKEN, fact.precheck)
+    if fact.not_applying:
+        return Verdict(fix.id, BROKEN, "patch " + fact.not_applying[0])
+    if not tests_run:
+        return Verdict(
+            fix.id, NEEDED, "patch applies, targets and signatures match (tests not run)"
+        )
+    pristine = _failures(fact.results.get("pristine", {}), fix.tests)
+    if not pristine:
+        evidence = f"{', '.join(fix.tests)} pass on the pristine tree without the plugin"
+        return Verdict(fix.id, ALREADY, evidence + retire, delete)
+    for delivery, label in (("patched", "with the patch series"), ("plugin", "with the plugin")):
+        failed = _failures(fact.results.get(delivery, {}), fix.tests)
+        if failed:
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            return Verdict(fix.id, BROKEN, f"{failed[0]} fails {label}{more}")
+    return Verdict(
+        fix.id,
+        NEEDED,
+        f"patch applies; {len(pristine)} test(s) fail on the pristine tree (e.g. {pristine[0]}), "
+        "all pass with the series and with the plugin",
+    )
+
+
+class RebaseCheckError(Exception):
+    """rebase-check cannot judge the tree; the message is one line."""
+
+
+@dataclass
+class Series:
+    """The patch series as maintained: exported from the register against the pinned release."""
+
+    directory: Path
+    patches: dict[str, list[str]]  # fix id -> its patch files, in series order
+
+
+def export_pinned_series(directory: Path) -> Series:
+    from sglang_dsv4 import export
+
+    fixes = [fix for fix, _ in register()]
+    outcomes = export.export_series(fixes, export.fetch_pinned_upstream(), directory)
+    return Series(directory, {o.fix.id: list(o.patches) for o in outcomes})
+
+
+def check(
+    python_dir: Path,
+    only: list[str] | None = None,
+    tests: bool = True,
+    series: Series | None = None,
+) -> tuple[str, list[Verdict]]:
+    """The tree's version and one verdict per fix (register order, or the ids in `only`)."""
+    from sglang_dsv4 import export
+
+    version = export.tree_version(python_dir)
+    fixes = register()
+    known = {fix.id for fix, _ in fixes}
+    unknown = sorted(set(only or ()) - known)
+    if unknown:
+        raise RebaseCheckError(f"no fix with id {', '.join(unknown)}; known: {', '.join(known)}")
+    with tempfile.TemporaryDirectory(prefix="sglang-dsv4-rebase-") as tmp:
+        work = Path(tmp)
+        series = series or export_pinned_series(work / "patches")
+        patch_dir = series.directory
+        facts = [
+            FixFacts(fix.id, module, tuple(fix.tests), series.patches[fix.id])
+            for fix, module in fixes
+        ]
+        repo = work / "tree"
+        shutil.copytree(
+            python_dir / "sglang",
+            repo / "python" / "sglang",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        export._init_repo(repo)
+        apply_patches(facts, patch_dir, repo)
+        reasons = run_probe(python_dir, [f.module for f in facts])
+        for fact in facts:
+            fact.precheck = reasons[fact.module]
+        chosen = [f for f in facts if not only or f.id in only]
+        unfit = [f.id for f in facts if f.precheck or f.not_applying or f.already_applied]
+        # Tests decide only between needed and already upstream: a fix judged from its targets
+        # and patch (broken, or its patch already applied) needs no test run.
+        files = [t for f in chosen if f.id not in unfit for t in f.tests]
+        if tests and files:
+            deliveries = {
+                "pristine": (python_dir, False),
+                "patched": (repo / "python", False),
+                "plugin": (python_dir, True),
+            }
+            for delivery, (tree, plugin) in deliveries.items():
+                result = run_tests(tree, files, plugin, unfit, work / delivery)
+                for fact in chosen:
+                    fact.results[delivery] = {t: result[t] for t in fact.tests if t in result}
+        by_id = {fix.id: fix for fix, _ in fixes}
+        verdicts = [decide(by_id[f.id], f, version, tests) for f in chosen]
+    return version, verdicts
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--version", help="an upstream release, fetched from the package index (wheel, cached)"
+    )
+    where.add_argument(
+        "--upstream-src",
+        type=Path,
+        help="an upstream tree: a checkout laid out as upstream's repository, or its python/",
+    )
+    parser.add_argument("--fix", action="append", metavar="ID", help="only this fix (repeatable)")
+    parser.add_argument(
+        "--no-tests",
+        action="store_true",
+        help="judge from targets and patches only; do not run the behaviour tests",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    from sglang_dsv4 import export
+
+    try:
+        if args.version:
+            python_dir = export.fetch_upstream(args.version)
+        else:
+            python_dir = export.python_dir_of(args.upstream_src)
+        version, verdicts = check(python_dir, args.fix, tests=not args.no_tests)
+    except (export.ExportError, RebaseCheckError) as exc:
+        print(f"sglang-dsv4 rebase-check: error: {exc}", file=sys.stderr)
+        return 2
+    ok = all(v.verdict in (NEEDED, ALREADY) for v in verdicts)
+    if args.json:
+        report = {
+            "upstream": {"version": version, "python_dir": str(python_dir)},
+            "pin": UPSTREAM_PIN,
+            "tests_run": not args.no_tests,
+            "ok": ok,
+            "fixes": [asdict(v) for v in verdicts],
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"upstream sglang {version} ({python_dir}); the distribution is pinned to {UPSTREAM_PIN}"
+        )
+        width = max(len(v.id) for v in verdicts)
+        for v in verdicts:
+            print(f"{v.id:<{width}}  {v.verdict:<16}  {v.evidence}")
+            if v.remove:
+                print(f"{'':<{width}}  {'':<16}  delete: {'; '.join(v.remove)}")
+        print("ok" if ok else "not ok: a fix is broken on this tree")
+    return 0 if ok else 1
+
+
+def _probe_main(modules: list[str]) -> int:
+    try:
+        print(json.dumps(probe(modules)))
+    except RebaseCheckError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--probe"]:
+        sys.exit(_probe_main(sys.argv[2:]))
+    sys.exit("usage: sglang-dsv4 rebase-check (--version X | --upstream-src DIR) [--json]")

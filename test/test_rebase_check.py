@@ -1,0 +1,200 @@
+"""`sglang-dsv4 rebase-check` on real upstream trees: the pinned release, the release before it
+(fetched from the package index), and copies of the pinned release changed here.
+
+The behaviour tests of every fix on the pinned release run in CI (`.ci/run`, the full command);
+here the verdicts come from targets and patches (`tests=False`), which is what changes between
+the trees below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_dsv4 import export, rebase_check
+from sglang_dsv4.rebase_check import ALREADY, BROKEN, NEEDED
+
+REPO = Path(__file__).resolve().parents[1]
+PREVIOUS_RELEASE = "0.5.22"
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory) -> rebase_check.Series:
+    return rebase_check.export_pinned_series(tmp_path_factory.mktemp("series"))
+
+
+@pytest.fixture(scope="module")
+def pinned() -> Path:
+    return export.upstream_python_dir(None)
+
+
+def copy_tree(python_dir: Path, dest: Path) -> Path:
+    shutil.copytree(
+        python_dir / "sglang", dest / "sglang", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return dest
+
+
+def verdicts_of(python_dir: Path, series) -> dict[str, rebase_check.Verdict]:
+    _, verdicts = rebase_check.check(python_dir, tests=False, series=series)
+    return {v.id: v for v in verdicts}
+
+
+def test_every_fix_is_needed_on_the_pinned_release(pinned, series):
+    verdicts = verdicts_of(pinned, series)
+    assert [v.id for v in verdicts.values()] == [fix.id for fix, _ in rebase_check.register()]
+    assert {v.verdict for v in verdicts.values()} == {NEEDED}, verdicts
+
+
+def test_a_fix_whose_patch_is_applied_is_already_upstream_and_only_that_one(
+    pinned, series, tmp_path
+):
+    fix_id = "host-mirror-geometry"
+    tree = copy_tree(pinned, tmp_path / "python")
+    for name in series.patches[fix_id]:
+        subprocess.run(["git", "apply", "-p2", str(series.directory / name)], cwd=tree, check=True)
+
+    verdicts = verdicts_of(tree, series)
+
+    assert verdicts[fix_id].verdict == ALREADY
+    assert "already applied" in verdicts[fix_id].evidence
+    assert "python/sglang_dsv4/fixes/host_mirror_geometry.py" in verdicts[fix_id].remove
+    others = {fid: v.verdict for fid, v in verdicts.items() if fid != fix_id}
+    assert set(others.values()) == {NEEDED}, others
+
+
+def test_a_changed_signature_is_broken_and_named(pinned, series, tmp_path):
+    tree = copy_tree(pinned, tmp_path / "python")
+    pool = tree / "sglang/srt/mem_cache/deepseek_v4_memory_pool.py"
+    text = pool.read_text()
+    old = "use_fp4_indexer: bool) -> int:"
+    assert text.count(old) == 1
+    pool.write_text(text.replace(old, "use_fp4_indexer: bool, page_size=256) -> int:"))
+
+    verdicts = verdicts_of(tree, series)
+
+    target = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
+    assert verdicts["pool-sizing-bf16"].verdict == BROKEN
+    evidence = verdicts["pool-sizing-bf16"].evidence
+    assert f"{target}.get_dsv4_indexer_bytes_per_token" in evidence and "page_size=256" in evidence
+
+
+def test_a_hunk_that_does_not_apply_is_broken_and_named(pinned, series, tmp_path):
+    tree = copy_tree(pinned, tmp_path / "python")
+    # Change a line the pool-sizing patch removes, so its hunk no longer matches.
+    configurator = tree / "sglang/srt/model_executor/pool_configurator.py"
+    patch = (series.directory / series.patches["pool-sizing-bf16"][-1]).read_text()
+    section = patch.split("+++ b/python/sglang/srt/model_executor/pool_configurator.py", 1)[1]
+    removed = next(
+        line[1:] for line in section.splitlines() if line.startswith("-") and line[1:].strip()
+    )
+    text = configurator.read_text()
+    assert text.count(removed) >= 1
+    configurator.write_text(text.replace(removed, removed + "  # changed upstream", 1))
+
+    verdicts = verdicts_of(tree, series)
+
+    assert verdicts["pool-sizing-bf16"].verdict == BROKEN
+    assert re.search(
+        r"hunk at python/sglang/srt/model_executor/pool_configurator\.py:\d+ does not apply",
+        verdicts["pool-sizing-bf16"].evidence,
+    )
+
+
+def _parameter_names(signature: str) -> list[str]:
+    args = ast.parse(f"def f{signature}: pass").body[0].args
+    every = args.posonlyargs + args.args + args.kwonlyargs
+    every += [a for a in (args.vararg, args.kwarg) if a]
+    return [a.arg for a in every]
+
+
+def _upstream_parameter_names(python_dir: Path, target: str) -> list[str] | None:
+    """The parameter names of `target` as the tree's source defines it, or None if absent."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        file = python_dir / ("/".join(parts[:cut]) + ".py")
+        if file.is_file():
+            break
+    else:
+        return None
+    body = ast.parse(file.read_text()).body
+    node = None
+    for name in parts[cut:]:
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.name == name
+            ),
+            None,
+        )
+        if node is None:
+            return None
+        body = node.body
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    return _parameter_names(ast.unparse(node.args).join("()"))
+
+
+def test_previous_release_verdicts_follow_its_source(series, capsys):
+    try:
+        previous = export.fetch_upstream(PREVIOUS_RELEASE)
+    except export.ExportError as exc:
+        pytest.fail(str(exc))  # CI reaches the package index; without it this proof cannot run
+
+    assert rebase_check.register()  # the pin's register, read in this process
+    args = argparse.Namespace(
+        version=PREVIOUS_RELEASE, upstream_src=None, fix=None, no_tests=True, json=True
+    )
+    code = rebase_check.run(args)
+    report = json.loads(capsys.readouterr().out)
+    assert report["upstream"]["version"] == PREVIOUS_RELEASE
+    verdicts = {f["id"]: f for f in report["fixes"]}
+
+    for fix, _ in rebase_check.register():
+        moved = [
+            r.target
+            for r in fix.replaces
+            if _upstream_parameter_names(previous, r.target) != _parameter_names(r.signature)
+        ]
+        if moved:  # a target the fix replaces is absent or takes other parameters there
+            assert verdicts[fix.id]["verdict"] == BROKEN, (fix.id, moved)
+        assert verdicts[fix.id]["evidence"]
+    broken = [v for v in verdicts.values() if v["verdict"] == BROKEN]
+    assert report["ok"] == (not broken)
+    assert code == (1 if broken else 0)
+
+
+def test_every_behaviour_test_file_belongs_to_exactly_one_fix():
+    owners: dict[str, list[str]] = {}
+    for fix, _ in rebase_check.register():
+        assert fix.tests, f"{fix.id} names no behaviour tests"
+        for path in fix.tests:
+            assert (REPO / path).is_file(), f"{fix.id}: {path} does not exist"
+            owners.setdefault(path, []).append(fix.id)
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "test/behaviour").glob("test_*.py"))
+    assert files == sorted(owners), "every behaviour test file is named by one fix's register entry"
+    assert all(len(ids) == 1 for ids in owners.values()), owners
+
+
+def test_unknown_fix_and_missing_tree_are_one_line_errors(tmp_path, capsys):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_dsv4", "rebase-check", "--upstream-src", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("sglang-dsv4 rebase-check: error: ")
+    assert "holds no upstream sglang source" in proc.stderr
+
+    with pytest.raises(rebase_check.RebaseCheckError, match="no fix with id not-a-fix"):
+        rebase_check.check(export.fetch_pinned_upstream(), only=["not-a-fix"], tests=False)
