@@ -686,8 +686,8 @@ def key_store_inputs(kit, rows, seed):
     freqs = torch.polar(torch.ones_like(angles), angles)
     plan = torch.zeros(rows, 4, dtype=torch.int32)
     plan[:, 0] = torch.randint(4, ROPE_POSITIONS, (rows,), generator=gen, dtype=torch.int32)
-    plan[::3, 0] = plan[::3, 0] // 4 * 4 + 1  # every third row completes no key this step
-    plan[1::3, 0] = plan[1::3, 0] // 4 * 4
+    plan[::3, 0] = plan[::3, 0] // 4 * 4
+    plan[1::3, 0] = plan[1::3, 0] // 4 * 4 + 1  # every third row completes no key this step
     out_loc = torch.randperm(slots, generator=gen)[:rows]
     tensors = [t.to(kit.device) for t in (pool, kv, norm_weight)]
     return [
@@ -738,7 +738,8 @@ def clone_args(args):
 
 def rotation_correctness_cases(kit) -> list:
     """Each fused rotation against its torch reference: bf16 results within one rounding of
-    each other (both compute in fp32 and round once), share of bit-equal values reported."""
+    each other (both compute in fp32 and round once: at most one bf16 ulp apart, beside fp32
+    noise), the share of bit-equal values reported."""
     torch = kit.torch
     cases = []
     for label, op in rotation_kernels(kit).items():
@@ -746,7 +747,11 @@ def rotation_correctness_cases(kit) -> list:
             args = op.inputs(kit, rows, seed=700 + rows)
             fused = op.run(op.fused, clone_args(args)).float()
             ref = op.run(op.reference, clone_args(args)).float()
-            ulp = (ref.abs() * 2.0**-7).clamp(min=2.0**-126)
+            # one bf16 ulp of the value, plus fp32 noise of the row (values that nearly cancel
+            # in the rotation can round either way at any bf16 scale of their own: 128 fp32
+            # terms, each off by up to 2^-24 of the row)
+            row_scale = ref.abs().amax(dim=-1, keepdim=True)
+            ulp = (ref.abs() * 2.0**-7 + row_scale * 2.0**-17).clamp(min=2.0**-126)
             worst = float(((fused - ref).abs() / ulp).max())
             cases.append(
                 {

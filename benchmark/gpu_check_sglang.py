@@ -7,8 +7,8 @@ CPU step:
 
 - the real DeepSeekV4TokenToKVPool for DeepSeek-V4-Flash with bf16 index keys, sized by upstream's
   configurator chain (`sglang_dsv4.plan`), allocated on the device;
-- the write path: compressed rows turned into index keys by the fix's bf16_index_keys_from_plan
-  (RMSNorm, RoPE, Hadamard, bf16) and stored with the pool's set_index_k_bf16. Upstream's
+- the write path: compressed rows turned into index keys by the fix's write step (RMSNorm,
+  RoPE, Hadamard, bf16; `write_keys` takes either form the fix has had) in the pool. Upstream's
   compress_forward itself is not run: its plan comes from upstream's CUDA planner, which needs a
   scheduled batch; the rows it would produce are given directly;
 - the read path: a real C4Indexer (seeded random weights) and C4Indexer.forward, which the fix
@@ -38,6 +38,21 @@ def load_fixes():
     plugin.load()
 
 
+def write_keys(compressor_module, pool, layer, compressed, plan, out_loc, compressor) -> None:
+    """The fix's write step, whichever form it has: the store into the pool's bf16 rows
+    (store_bf16_index_keys_from_plan), or keys and slots, then the pool's set_index_k_bf16
+    (bf16_index_keys_from_plan, before the fused store)."""
+    store = getattr(compressor_module, "store_bf16_index_keys_from_plan", None)
+    if store is not None:
+        rows = pool.get_index_k_bf16_buffer(layer).view(-1, compressed.shape[1])
+        store(rows, compressed, plan, out_loc, compressor.norm, compressor.freqs_cis)
+        return
+    keys, slots = compressor_module.bf16_index_keys_from_plan(
+        compressed, plan, out_loc, compressor.norm, compressor.freqs_cis
+    )
+    pool.set_index_k_bf16(layer, slots, keys)
+
+
 def run_decode_step_on(device: str, seed: int = 0) -> dict:
     """Keys written and the top-512 positions chosen, on `device`; tensors come back on the CPU."""
     import torch
@@ -48,7 +63,7 @@ def run_decode_step_on(device: str, seed: int = 0) -> dict:
     from sglang.srt.environ import envs
     from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
-    from sglang.srt.layers.attention.dsv4.compressor_v2 import bf16_index_keys_from_plan
+    from sglang.srt.layers.attention.dsv4 import compressor_v2
     from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
     from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -83,14 +98,8 @@ def run_decode_step_on(device: str, seed: int = 0) -> dict:
     rows[:, 0] = torch.tensor(seq_lens, dtype=torch.int32)
     plan = CompressorDecodePlan(4, rows.view(torch.uint8).to(device))
     compressed = (torch.randn(len(slots), 128, generator=gen) * 3).to(device)
-    keys, where = bf16_index_keys_from_plan(
-        compressed,
-        plan,
-        torch.tensor(slots, device=device),
-        indexer.compressor.norm,
-        indexer.compressor.freqs_cis,
-    )
-    pool.set_index_k_bf16(layer, where, keys)
+    out_loc = torch.tensor(slots, device=device)
+    write_keys(compressor_v2, pool, layer, compressed, plan, out_loc, indexer.compressor)
 
     # Read: one decode step of the two requests through the patched C4Indexer.forward.
     width = max(len(t) for t in tables)

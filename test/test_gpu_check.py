@@ -162,6 +162,7 @@ def cpu_kit(tmp_path):
     # The compiled Triton kernel needs a GPU (this session's Triton is not the interpreter):
     # the torch path stands in for it here; the smoke run covers the kernel itself.
     kit.kernels.triton = kit.kernels.torch_path
+    kit.kernels.rotation_triton = None  # fused rotations: stand-ins where a test needs them
     return kit
 
 
@@ -319,3 +320,59 @@ def test_sglang_stage_steps_agree_on_the_cpu():
     assert (first["positions"] >= 0).sum() == 512 + 300  # top-512 of 700 keys, all 300
     off = dict(first, keys=first["keys"] * 1.05)
     assert not compare_steps(first, off)["ok"]
+
+
+def torch_query_rotation(q, freqs, positions):
+    rot = gpu_check.import_module("sgl_kernel_dsv4.index_rotation")
+    return rot.hadamard_rotate(rot.apply_rope_tail(q, freqs[positions])).to(torch.bfloat16)
+
+
+def torch_key_store(pool, kv, weight, eps, freqs, plan, out_loc, ratio, is_decode):
+    rot = gpu_check.import_module("sgl_kernel_dsv4.index_rotation")
+    x = kv * torch.rsqrt(kv.square().mean(-1, keepdim=True) + eps) * weight
+    keys = rot.hadamard_rotate(rot.apply_rope_tail(x, freqs[(plan[:, 0] - ratio).long()]))
+    write = plan[:, 0] % ratio == 0
+    pool[out_loc[write]] = keys[write].to(torch.bfloat16)
+
+
+def stand_in_rotations(fused_query, fused_store):
+    """Fused rotations as the kernel package offers them, here torch functions (no GPU)."""
+    return lambda kit: {
+        "query rotation": gpu_check.FusedRotation(
+            fused_query, torch_query_rotation, gpu_check.query_rotation_inputs, True
+        ),
+        "key write": gpu_check.FusedRotation(
+            fused_store, torch_key_store, gpu_check.key_store_inputs, False
+        ),
+    }
+
+
+def test_fused_rotations_are_checked_and_replayed(tmp_path, monkeypatch):
+    kit = cpu_kit(tmp_path)
+    monkeypatch.setattr(gpu_check, "capture", replay_by_calling)
+    monkeypatch.setattr(
+        gpu_check, "rotation_kernels", stand_in_rotations(torch_query_rotation, torch_key_store)
+    )
+    checks = gpu_check.rotation_correctness_cases(kit)
+    assert len(checks) == 2 * len(gpu_check.SMOKE_SIZES.rotation_rows)
+    assert all(c["ok"] and c["bit_equal_share"] == 1.0 for c in checks)
+    replays = gpu_check.graph_fused_rotation_cases(kit)
+    assert len(replays) == 2 * len(gpu_check.SMOKE_SIZES.decode_batches)
+    assert all(c["ok"] for c in replays), replays
+
+
+def test_a_fused_rotation_off_by_more_than_a_rounding_fails(tmp_path, monkeypatch):
+    kit = cpu_kit(tmp_path)
+
+    def query_off(q, freqs, positions):
+        return (torch_query_rotation(q, freqs, positions).float() * 1.02).to(torch.bfloat16)
+
+    def store_skipping_nothing(pool, kv, weight, eps, freqs, plan, out_loc, ratio, is_decode):
+        every_row = plan.clone()
+        every_row[:, 0] = every_row[:, 0] // ratio * ratio  # writes rows that complete no key
+        torch_key_store(pool, kv, weight, eps, freqs, every_row, out_loc, ratio, is_decode)
+
+    monkeypatch.setattr(
+        gpu_check, "rotation_kernels", stand_in_rotations(query_off, store_skipping_nothing)
+    )
+    assert not any(c["ok"] for c in gpu_check.rotation_correctness_cases(kit))
