@@ -436,7 +436,7 @@ def stage_environment(kit, rec):
         env["triton"] = import_module("triton").__version__
     except ImportError as exc:
         env["triton"] = f"not importable ({one_line(exc)})"
-    env["sglang"] = kit.sglang_version or "not used"
+    env["sglang"] = kit.sglang_version or kit.sglang_absent
     env["deep_gemm"] = "importable" if util.find_spec("deep_gemm") else "absent"
     if kit.cuda:
         props = torch.cuda.get_device_properties(0)
@@ -1131,7 +1131,7 @@ def targets(kit) -> list:
                 "bf16 >= 1.5x faster than upstream's fp8 torch path (sm_120)",
                 None,
                 None,
-                "sglang not importable",
+                f"upstream's path did not run: sglang {kit.sglang_absent or 'present'}",
             )
         else:
             speedup = upstream / target["triton_us"]
@@ -1165,7 +1165,7 @@ class Kit:
         self.out = args.out
         self.quiet = args.quiet
         self.kernels = Kernels()
-        self.sglang_version = sglang_version(args)
+        self.sglang_version, self.sglang_absent = sglang_version(args)
         self.tuned = None
         self.report = {
             "kit": "gpu_check",
@@ -1183,17 +1183,19 @@ class Kit:
             print(text, flush=True)
 
 
-def sglang_version(args):
-    """sglang's version when it is importable and wanted (a GPU run uses it when present; the
-    smoke run only with --with-sglang: importing it takes many seconds)."""
-    if args.without_sglang or (args.smoke and not args.with_sglang):
-        return None
+def sglang_version(args) -> tuple:
+    """(sglang's version, None) when it is importable and wanted, else (None, why not). A GPU
+    run uses it when present; the smoke run only with --with-sglang (its import takes seconds)."""
+    if args.without_sglang:
+        return None, "not used (--without-sglang)"
+    if args.smoke and not args.with_sglang:
+        return None, "not used (smoke run without --with-sglang)"
     if util.find_spec("sglang") is None:
-        return None
+        return None, "not importable"
     try:
-        return import_module("sglang").__version__
-    except Exception:
-        return None
+        return import_module("sglang").__version__, None
+    except Exception as exc:
+        return None, f"not importable ({one_line(exc)})"
 
 
 def on_alarm(signum, frame):
@@ -1207,7 +1209,7 @@ def run_stage(kit, stage) -> dict:
         rec["status"] = "skipped (no CUDA)"
         return rec
     if stage.needs_sglang and not kit.sglang_version:
-        rec["status"] = "skipped (sglang not importable)"
+        rec["status"] = f"skipped (sglang {kit.sglang_absent})"
         return rec
     kit.progress(f"[{stage.name}] budget {stage.budget_s} s: {stage.what}")
     started = time.perf_counter()
@@ -1547,7 +1549,14 @@ def main(argv=None) -> int:
     kit.report["exit_status"] = code
     write_reports(kit)
     if args.record:
-        if kit.tuned:
+        if kit.kernels.launch_api() != "config":
+            # that launch() reads no table: a pages_per_program entry would only mislead
+            print(
+                "gpu_check: --record: this kernel package's launch() takes no config; "
+                "nothing recorded",
+                file=sys.stderr,
+            )
+        elif kit.tuned:
             print(f"gpu_check: {record_tuned(kit)}")
         else:
             print("gpu_check: --record: the sweep found no config to record", file=sys.stderr)
