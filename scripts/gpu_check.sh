@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The GPU proof kit on a bare CUDA host (torch + triton only, no install, no network):
+# runs benchmark/gpu_check.py from this tree. Usage: gpu_check.sh [--out DIR] [--plan] [--record] ...
+# PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/.."
+export PYTHONPATH="$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m benchmark.gpu_check "$@"
