@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -135,6 +134,7 @@ def _env(python_dir: Path, plugin: bool, skip: list[str] = ()) -> dict[str, str]
     ours = [str(REPO_ROOT / "python"), str(REPO_ROOT / "sgl-kernel" / "python")]
     env["PYTHONPATH"] = os.pathsep.join([str(python_dir), *ours])
     env.pop("SGLANG_DSV4_SKIP_FIXES", None)
+    env["PYTHONUNBUFFERED"] = "1"  # every outcome line reaches the pipe, even if a test crashes
     if plugin:
         env.pop("SGLANG_PLUGINS", None)
         # The tree is not the pin by design here; its version is what is being judged.
@@ -158,39 +158,61 @@ def run_probe(python_dir: Path, modules: list[str]) -> dict[str, str | None]:
     return json.loads(lines[-1])
 
 
+# "test/behaviour/test_x.py::test_y[fp8] PASSED [ 10%]" as pytest -v prints each outcome.
+# (Parameter ids may hold spaces.)
+_OUTCOME = re.compile(r"^(test/\S+?\.py::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_STARTED = re.compile(r"^(test/\S+?\.py::.+?) *$")
+
+
 def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str], out: Path):
-    """Run behaviour test files on a tree; returns {file: {"passed": [...], "failed": [...]}}."""
-    report = out.with_suffix(".xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
-    proc = subprocess.run(
-        cmd + files,
-        capture_output=True,
-        text=True,
-        env=_env(python_dir, plugin, skip),
-        cwd=REPO_ROOT,
-    )
-    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
-    results = {f: {"passed": [], "failed": []} for f in files}
-    if not report.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        for f in files:
-            results[f]["failed"].append(f"pytest did not run: {tail[0]}")
-        return results
-    for case in ElementTree.parse(report).getroot().iter("testcase"):
-        path = case.get("classname", "").split(".")
-        # classname is "test.behaviour.test_x" (or "...test_x.Class"): find the file it names
-        file = next(
-            (f for f in files if ".".join(Path(f).with_suffix("").parts) in ".".join(path)), None
+    """Run behaviour test files on a tree; returns {file: {"passed": [...], "failed": [...]}}.
+
+    Outcomes are read from pytest's verbose lines, so a test that kills the interpreter (an
+    abort on a tree without the fix) fails with its file; the other files run on.
+    """
+    outcomes: dict[str, str] = {}  # node id -> "passed" | "skipped" | why it failed
+    crashed: set[str] = set()  # files whose remaining tests did not run
+    log = []
+    while remaining := [f for f in files if f not in crashed]:
+        cmd = [sys.executable, "-m", "pytest", "-v", "--no-header", "-p", "no:cacheprovider"]
+        cmd += [*remaining, *(f"--deselect={node}" for node in outcomes)]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=_env(python_dir, plugin, skip), cwd=REPO_ROOT
         )
-        if file is None:
-            continue
-        failed = case.find("failure") is not None or case.find("error") is not None
-        if case.find("skipped") is not None and not failed:
-            continue
-        results[file]["failed" if failed else "passed"].append(case.get("name", "?"))
+        log.append(proc.stdout + proc.stderr)
+        last = None  # the test running when the output ended
+        for line in proc.stdout.splitlines():
+            if m := _OUTCOME.match(line):
+                node, result = m.groups()
+                if result in ("FAILED", "ERROR"):
+                    outcomes[node] = result.lower()
+                elif result in ("PASSED", "XFAIL"):
+                    outcomes.setdefault(node, "passed")
+                else:
+                    outcomes.setdefault(node, "skipped")
+                last = node
+            elif m := _STARTED.match(line):
+                last = m.group(1)
+        if proc.returncode >= 0 or last is None:
+            break
+        # Killed by a signal while running (or tearing down) `last`: it fails, the rest resume.
+        fatal = next(
+            (line for line in proc.stderr.splitlines() if "Fatal Python error" in line),
+            f"killed by signal {-proc.returncode}",
+        )
+        outcomes[last] = f"crashed the interpreter{fatal.split('Fatal Python error')[-1]}"
+        crashed.add(last.partition("::")[0])
+    out.with_suffix(".log").write_text("\n".join(log))
+    results = {f: {"passed": [], "failed": []} for f in files}
+    for node, outcome in outcomes.items():
+        file, _, name = node.partition("::")
+        if file in results and outcome != "skipped":
+            key = "passed" if outcome == "passed" else "failed"
+            results[file][key].append(name if key == "passed" else f"{name} ({outcome})")
     for f in files:
         if not results[f]["passed"] and not results[f]["failed"]:
-            results[f]["failed"].append(f"no test of {f} ran (pytest exit {proc.returncode})")
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            results[f]["failed"].append(f"no test ran ({tail[0][:160]})")
     return results
 
 
