@@ -65,7 +65,7 @@ class Recorder:
     "dtype, row_bytes, whole_pages",
     [
         ("bf16", 64 * 256, True),  # bf16: 256 B per slot, no scale
-        ("fp8", 64 * 132, False),  # upstream's fused fp8 row (128 B + 4 B scale), kept as it is
+        ("fp8", 64 * 132, True),  # upstream's fused fp8 row: 64 x 128 B keys, then 64 x 4 B scales
     ],
 )
 def test_regions_take_row_bytes_from_the_live_buffers(pools, dtype, row_bytes, whole_pages):
@@ -83,10 +83,11 @@ def test_regions_take_row_bytes_from_the_live_buffers(pools, dtype, row_bytes, w
     assert mirror.get_size_per_token() == row_bytes
 
 
-def test_bf16_pages_round_trip_device_host_device_byte_exact(pools, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_pages_round_trip_device_host_device_byte_exact(pools, monkeypatch, dtype):
     monkeypatch.setattr(memory_pool_host, "transfer_kv_direct", row_copy, raising=False)
-    device_pool = pools["bf16"].c4_indexer_kv_pool
-    (region,) = _dsv4_indexer_regions(pools["bf16"], PAGE)
+    device_pool = pools[dtype].c4_indexer_kv_pool
+    (region,) = _dsv4_indexer_regions(pools[dtype], PAGE)
     mirror = host_pool(region)
     layers = region.device_buffers
     generator = torch.Generator().manual_seed(5)
@@ -104,38 +105,47 @@ def test_bf16_pages_round_trip_device_host_device_byte_exact(pools, monkeypatch)
 
     for rows, original in zip(layers, before, strict=True):
         assert torch.equal(rows, original)
+    if dtype != "bf16":
+        return
     # The keys read back through index-k-bf16's reader are the ones written.
     keys = device_pool.get_index_k_bf16(0, torch.arange(2 * 64, 4 * 64))
     assert torch.equal(keys.view(torch.uint8).flatten(), before[0][2:4].flatten())
 
 
-def test_bf16_rows_never_reach_the_token_granular_copy(pools, monkeypatch):
+@pytest.mark.parametrize("dtype, row_bytes", [("bf16", 64 * 256), ("fp8", 64 * 132)])
+def test_index_rows_never_reach_the_token_granular_copy(pools, monkeypatch, dtype, row_bytes):
+    """transfer_cache_dsv4_mla's constants (584-B tokens, 37,440-B pages) fit neither index row,
+    so a transfer that does not end on a page boundary stops, and nothing moves."""
     copy = Recorder()
     monkeypatch.setattr(memory_pool_host, "transfer_cache_dsv4_mla", copy)
-    device_pool = pools["bf16"].c4_indexer_kv_pool
-    (region,) = _dsv4_indexer_regions(pools["bf16"], PAGE)
+    monkeypatch.setattr(memory_pool_host, "transfer_kv_direct", row_copy, raising=False)
+    device_pool = pools[dtype].c4_indexer_kv_pool
+    (region,) = _dsv4_indexer_regions(pools[dtype], PAGE)
     mirror = host_pool(region)
-    three_tokens = torch.arange(3)
+    layers = region.device_buffers
+    generator = torch.Generator().manual_seed(7)
+    for rows in layers:
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=generator))
+    device_before = [rows.clone() for rows in layers]
+    host_before = [rows.clone() for rows in mirror.kv_buffer]
+    # One and a half pages: tokens 256..639, a boundary inside device page 2.
+    device_indices = torch.arange(PAGE, PAGE + PAGE * 3 // 2)
+    host_indices = mirror.alloc(device_indices.numel())[: device_indices.numel()]
 
     with pytest.raises(ValueError) as backup:
-        mirror.backup_from_device_all_layer(device_pool, three_tokens, three_tokens, "direct")
+        mirror.backup_from_device_all_layer(device_pool, host_indices, device_indices, "direct")
     with pytest.raises(ValueError) as load:
-        mirror.load_to_device_per_layer(device_pool, three_tokens, three_tokens, 0, "direct")
+        mirror.load_to_device_per_layer(device_pool, host_indices, device_indices, 0, "direct")
+    with pytest.raises(ValueError):
+        mirror.backup_tokens_from_device_all_layer(host_indices, device_indices)
     assert copy.calls == 0
+    assert all(torch.equal(r, b) for r, b in zip(layers, device_before, strict=True))
+    assert all(torch.equal(r, b) for r, b in zip(mirror.kv_buffer, host_before, strict=True))
     for error in (backup.value, load.value):
         message = str(error)
-        assert "token-granular" in message and "16384 B per page" in message
+        assert "token-granular" in message and f"{row_bytes} B per page" in message
         assert "transfer_cache_dsv4_mla" in message and "584-B" in message
-
-
-def test_fp8_rows_keep_upstreams_token_granular_path(pools, monkeypatch):
-    copy = Recorder()
-    monkeypatch.setattr(memory_pool_host, "transfer_cache_dsv4_mla", copy)
-    (region,) = _dsv4_indexer_regions(pools["fp8"], PAGE)
-    mirror = host_pool(region)
-    three_tokens = torch.arange(3)
-    mirror.backup_tokens_from_device_all_layer(three_tokens, three_tokens)
-    assert copy.calls == 1
+        assert "37,440-B pages" in message
 
 
 def test_split_fp4_and_npu_layouts_keep_their_regions():

@@ -21,21 +21,26 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import requests
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
 from sglang.srt.disaggregation.nixl.conn import (
     KVArgsRegisterInfo,
     NixlKVManager,
     TransferInfo,
     num_kv_slots,
 )
-from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.disaggregation.utils import DisaggregationMode, get_pd_kv_layout
 from support.dsv4 import small_pool
-from support.nixl import listen_as_single_rank, track_rooms, ucx_agent
+from support.nixl import HOST, listen_as_single_rank, track_rooms, ucx_agent
 
 PAGE = 256
 INDEX_PAGE_SLOTS = PAGE // 4  # c4 index slots per page
@@ -74,8 +79,21 @@ def kv_args_of(pool) -> KVArgs:
     return args
 
 
+# Managers this module made; their zmq contexts are destroyed after each test (a context that
+# is garbage-collected while its sockets are still open blocks in term()).
+MANAGERS: list[NixlKVManager] = []
+
+
+@pytest.fixture(autouse=True)
+def close_managers():
+    yield
+    while MANAGERS:
+        MANAGERS.pop()._zmq_ctx.destroy(linger=0)
+
+
 def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
     mgr = object.__new__(NixlKVManager)
+    MANAGERS.append(mgr)
     mgr.disaggregation_mode = mode
     mgr.kv_args = kv_args_of(pool)
     mgr.agent = ucx_agent(mode.value)
@@ -222,3 +240,102 @@ def test_mismatched_index_k_pairing_is_refused_and_its_rooms_fail_on_both_sides(
     assert decode.server_socket.poll(5000), "no status message reached the decode"
     room, status, _, reason = decode.parse_kv_status_message(decode.server_socket.recv_multipart())
     assert (room, status, reason) == (7002, KVPoll.Failed, prefill_line)
+
+
+# --- The decode refuses a prefill of another index-K dtype before any KV exists -----------------
+
+
+def layout_manager(mode: DisaggregationMode, pool, bootstrap_port: int) -> NixlKVManager:
+    """What the disaggregation layer of a scheduler gives its manager for the layout check:
+    kv_layout from upstream's get_pd_kv_layout, as prefill.py / decode.py set it."""
+    mgr = object.__new__(NixlKVManager)
+    mgr.disaggregation_mode = mode
+    mgr.kv_args = kv_args_of(pool)
+    mgr.kv_args.kv_layout = get_pd_kv_layout(pool)
+    mgr.kv_args.kv_cache_dtype_str = "fp8_e4m3"
+    mgr.kv_args.state_types = []
+    mgr.kv_cache_dtype_str = mgr.kv_args.kv_cache_dtype_str
+    mgr.kv_layout = mgr.kv_args.kv_layout
+    mgr.dsv41_spec_layout = None
+    mgr.is_mla_backend, mgr.is_hybrid_mla_backend = False, True
+    # One rank of a one-rank deployment; no control socket: these tests send no KV messages.
+    mgr.attn_tp_size, mgr.attn_tp_rank, mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0, 1, 0
+    mgr.pp_size, mgr.pp_rank, mgr.dcp_size, mgr.dcp_rank = 1, 0, 1, 0
+    mgr.local_ip, mgr.rank_port = HOST, 1  # what the prefill publishes; nothing dials it here
+    mgr.attn_dp_size, mgr.attn_dp_rank = 1, 0
+    mgr.system_dp_size, mgr.system_dp_rank = 1, 0
+    mgr.dist_init_addr, mgr.bootstrap_host, mgr.bootstrap_port = None, HOST, bootstrap_port
+    mgr.prefill_info_table = {}
+    return mgr
+
+
+@pytest.fixture
+def bootstrap_server():
+    """Upstream's bootstrap server on loopback, stopped after the test."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    server = CommonKVBootstrapServer(HOST, port)
+    deadline = time.monotonic() + 30  # a busy machine can take a while to start its thread
+    while True:
+        try:
+            requests.get(f"http://{HOST}:{port}/health", timeout=1).raise_for_status()
+            break
+        except requests.RequestException:
+            assert time.monotonic() < deadline, "bootstrap server did not start"
+            time.sleep(0.05)
+    yield port
+    server.close()
+
+
+def test_pd_layout_names_the_index_k_dtype_and_row_bytes(pools):
+    assert get_pd_kv_layout(pools["bf16 prefill"]).endswith(",c4_index_k=bf16/16384B")
+    assert get_pd_kv_layout(pools["fp8 decode"]).endswith(",c4_index_k=fp8/8448B")
+
+
+@pytest.mark.parametrize(
+    "prefill_pool, decode_pool",
+    [("bf16 prefill", "fp8 decode"), ("fp8 decode", "bf16 decode")],
+)
+def test_decode_refuses_a_prefill_of_another_index_k_dtype_before_allocating(
+    pools, bootstrap_server, prefill_pool, decode_pool
+):
+    """The prefill registers its layout with the bootstrap server; the decode's first request for
+    that prefill fetches it (upstream's try_ensure_parallel_info, the first step of
+    DecodePreallocQueue.pop_preallocated) and refuses the pair, before that step creates a
+    receiver (no registration reaches the prefill, so it runs no forward pass for this decode)
+    and before the queue allocates KV for any request."""
+    prefill = layout_manager(DisaggregationMode.PREFILL, pools[prefill_pool], bootstrap_server)
+    decode = layout_manager(DisaggregationMode.DECODE, pools[decode_pool], bootstrap_server)
+    prefill.register_to_bootstrap()
+
+    # Stand-in: the request a client sent, with only the fields the queue reads before the
+    # receiver exists (a real Req needs a tokenizer and sampling set-up).
+    req = SimpleNamespace(bootstrap_host=HOST, bootstrap_port=bootstrap_server, bootstrap_room=9)
+    waiting = DecodeRequest(req=req, kv_receiver=None)
+    queue = object.__new__(DecodePreallocQueue)
+    queue.kv_manager, queue.pp_size, queue.pending_reqs = decode, 1, [waiting]
+    queue._prefill_dp_rank_queries, queue._ensure_retry_count = {}, {}
+    queue._ensure_last_attempt_time, queue._ensure_retry_interval = {}, 1.0
+    queue._max_ensure_retries = 15
+
+    with pytest.raises(RuntimeError) as refused:
+        queue.pop_preallocated()
+    line = str(refused.value)
+    assert "\n" not in line
+    ours = pools[prefill_pool].c4_indexer_kv_pool.index_k_dtype
+    theirs = pools[decode_pool].c4_indexer_kv_pool.index_k_dtype
+    rows = {"bf16": 16384, "fp8": 8448}
+    assert f"prefill server has kv_layout=v4,c4:v4,c128:v4,c4_index_k={ours}/{rows[ours]}B" in line
+    assert f"decode server has kv_layout=v4,c4:v4,c128:v4,c4_index_k={theirs}/" in line
+    assert waiting.kv_receiver is None  # no receiver: nothing registered with the prefill
+    assert decode.prefill_info_table == {}  # the pair is not remembered as usable
+
+
+def test_decode_accepts_a_prefill_of_the_same_index_k_dtype(pools, bootstrap_server):
+    prefill = layout_manager(DisaggregationMode.PREFILL, pools["bf16 prefill"], bootstrap_server)
+    decode = layout_manager(DisaggregationMode.DECODE, pools["bf16 decode"], bootstrap_server)
+    prefill.register_to_bootstrap()
+    address = f"{HOST}:{bootstrap_server}"
+    assert decode.try_ensure_parallel_info(address)
+    assert decode.prefill_info_table[address].kv_layout == decode.kv_layout

@@ -1,187 +1,180 @@
-"""Every index-K / compress-state read of a DeepSeek-V4 pool waits for its layer's HiCache transfer.
+"""HiCache start-up refuses a DeepSeek-V4 pool whose getters read a layer before it landed.
 
-Contract (index-k-transfer-gate): each method of DeepSeekV4TokenToKVPool that hands out index-K
-or compress-state memory for a layer calls wait_layer_transfer(layer_id) before it reads. The
-methods are found on the real class by one rule, so getters added later (index-k-bf16's, or
-upstream's next ones) are checked with no list to keep: public, second parameter `layer_id`, name
-containing index_k / indexer / compress_state, not a setter (set_*), not annotated to return a
-scalar (int, bool, str).
+Contract (index-k-transfer-gate): when HiCache installs its layer counter
+(register_layer_transfer_counter), every get_* method of the pool's class that takes an argument
+is called with a layer id first (whatever the parameter is named) on one layer of each kind
+(sliding, c4, c128, low ratio), twice, with different bytes in the index-K and compress-state
+memory before each call and a counter whose wait overwrites that memory with one sentinel, as a
+finished host -> device load does. A getter that waits before it reads returns the same thing
+both times; one that read first (a copy, a value computed from it, or a view with no wait at all)
+does not, and the pool refuses the counter with one line naming it.
 
-Real upstream pools (device="cpu") of both index-K dtypes, built by upstream's sizing chain.
-Stand-in: the HiCache layer counter (`LandingCounter`). It records every wait and "lands" the
-layer's host -> device transfer at that moment by writing the index-K page rows, as the real
-counter releases a reader only once the copy is done; a getter that copied rows before waiting
-returns the pre-transfer zeros.
+Real upstream pools (device="cpu") built by upstream's sizing chain: fp8 and bf16 index keys on
+DeepSeek-V4-Flash, and a low-ratio pool from a DeepSeek-V4.1-style config (ratio-1 and ratio-2
+kv_source layers, upstream's forced-fp4 low-ratio indexer pools). Stand-in: the HiCache counter
+object (`Counter`), whose real wait blocks on CUDA events of a running load.
 """
 
 from __future__ import annotations
 
-import inspect
+import json
 
 import pytest
 import torch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-from support.dsv4 import small_pool
-
-LANDED_BYTE = 0x3C  # any non-zero byte: pools start zeroed
-
-# Values for the getters' other parameters, by name (4 slots of page 0 of the layer).
-SLOTS = torch.arange(4, dtype=torch.int64)
-ARGUMENTS = {
-    "slots": SLOTS,
-    "loc": SLOTS,
-    "page_indices": torch.zeros((1, 1), dtype=torch.int32),
-    "seq_len_tensor": torch.tensor([4], dtype=torch.int32),
-    "seq_len_sum": 4,
-    "max_seq_len": 4,
-}
-UPSTREAM_GETTERS = {
-    "get_index_k_with_scale_buffer",
-    "get_index_k_scale_buffer",
-    "get_index_k_fp4_payload_buffer",
-    "get_index_k_fp4_scale_buffer",
-    "get_low_ratio_index_k_dequant",
-    "get_low_ratio_index_k_fp4",
-    "get_indexer_compress_states",
-    "get_attention_compress_states",
-}
+from support.dsv4 import default_model_dir, small_pool
 
 
-def is_layer_memory_getter(name: str, func) -> bool:
-    if name.startswith(("_", "set_")):
-        return False
-    if not any(word in name for word in ("index_k", "indexer", "compress_state")):
-        return False
-    signature = inspect.signature(func)
-    if list(signature.parameters)[1:2] != ["layer_id"]:
-        return False
-    return str(signature.return_annotation) not in ("int", "bool", "str")
-
-
-def layer_memory_getters(cls) -> dict:
-    return {
-        name: func
-        for name, func in inspect.getmembers(cls, inspect.isfunction)
-        if is_layer_memory_getter(name, func)
-    }
-
-
-class LandingCounter:
-    """Stand-in for HiCache's LayerDoneCounter: a wait lands the layer's transfer, then returns."""
-
-    def __init__(self, page_rows: list[torch.Tensor]):
-        self.page_rows = page_rows
-        self.waits: list[int] = []
+class Counter:
+    """Stand-in for HiCache's LayerDoneCounter; HiCache only hands it over here."""
 
     def wait_until(self, layer: int) -> None:
-        self.waits.append(layer)
-        for rows in self.page_rows:
-            rows.fill_(LANDED_BYTE)
+        pass
 
 
-def tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from tensors_in(item)
+def low_ratio_model(folder) -> str:
+    """DeepSeek-V4-Flash's config with layers 4 and 6 turned into ratio-2 and ratio-1
+    kv_source layers, as DeepSeek-V4.1 configs declare them."""
+    config = json.loads((default_model_dir() / "config.json").read_text())
+    config["model_type"] = "deepseek_v41"
+    config["compress_ratios"][4], config["compress_ratios"][6] = 2, 1
+    config["kv_source_layer_ids"] = [4, 6]
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
 
 
-def first_c4_layer(pool) -> int:
-    return next(
-        layer_id
-        for layer_id, item in enumerate(pool.layer_mapping)
-        if item is not None and item.compress_ratio == 4
-    )
-
-
-def getters_not_waiting(pool) -> dict[str, str]:
-    """getter name -> what is wrong, for every layer-memory getter of the pool's class."""
-    layer_id = first_c4_layer(pool)
-    page_rows = pool.c4_indexer_kv_pool.contiguous_page_row_buffers()
-    problems = {}
-    for name, func in layer_memory_getters(type(pool)).items():
-        params = list(inspect.signature(func).parameters.values())[2:]
-        missing = [p.name for p in params if p.default is p.empty and p.name not in ARGUMENTS]
-        if missing:
-            problems[name] = f"takes {missing}, for which this check has no value: add one"
-            continue
-        kwargs = {p.name: ARGUMENTS[p.name] for p in params if p.name in ARGUMENTS}
-        for rows in page_rows:
-            rows.zero_()
-        counter = LandingCounter(page_rows)
-        pool.layer_transfer_counter = counter
-        try:
-            result, error = getattr(pool, name)(layer_id, **kwargs), None
-        except Exception as exc:  # a CUDA-only kernel, or a layout this pool lacks: after the wait
-            result, error = None, exc
-        finally:
-            pool.layer_transfer_counter = None
-        if counter.waits != [layer_id - pool.start_layer]:
-            problems[name] = f"waited for {counter.waits}, not [{layer_id - pool.start_layer}]" + (
-                f" (then raised {error!r})" if error else ""
-            )
-        elif any(not bool(t.count_nonzero()) for t in tensors_in(result)):
-            problems[name] = "returned rows read before its layer's transfer landed"
-    return problems
-
-
-@pytest.fixture(scope="module", params=["fp8", "bf16"])
-def pool(request):
+@pytest.fixture(scope="module", params=["fp8", "bf16", "low-ratio"])
+def pool(request, tmp_path_factory):
+    if request.param == "low-ratio":
+        model = low_ratio_model(tmp_path_factory.mktemp("dsv41"))
+        _, pool = small_pool("fp8", model_path=model)
+        assert {1, 2, 4} <= set(pool.index_pools)
+        return pool
     _, pool = small_pool(request.param)
     assert pool.c4_indexer_kv_pool.index_k_dtype == request.param
     return pool
 
 
-def test_rule_finds_the_getters(pool):
-    found = set(layer_memory_getters(type(pool)))
-    assert UPSTREAM_GETTERS <= found, f"the rule misses {UPSTREAM_GETTERS - found}"
-    # index-k-bf16's getters are found by the same rule, without naming them in it.
-    assert {"get_index_k_bf16_buffer", "get_index_k_bf16"} <= found
-    # Page sizes and layout flags are not memory.
-    assert not found & {"get_index_k_page_size", "low_ratio_index_k_is_split", "index_k_dtype_of"}
+def index_rows(pool, layer_id) -> torch.Tensor:
+    """The layer's index-K page rows (KeyError on a layer without an indexer)."""
+    item = pool.layer_mapping[layer_id]
+    return pool.index_pools[item.compress_ratio].index_k_with_scale_buffer[item.compress_layer_id]
 
 
-def test_every_getter_waits_for_its_layer_first(pool):
-    assert getters_not_waiting(pool) == {}
-
-
-def test_the_check_catches_a_getter_that_skips_or_delays_the_wait(pool):
-    class Leaky(DeepSeekV4TokenToKVPool):
-        def get_index_k_unwaited(self, layer_id: int) -> torch.Tensor:
-            return self.c4_indexer_kv_pool.contiguous_page_row_buffers()[0]
-
-        def get_index_k_copied_early(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
-            rows = self.c4_indexer_kv_pool.contiguous_page_row_buffers()[0][0].clone()
-            self.wait_layer_transfer(layer_id)
-            return rows
-
-    pool.__class__ = Leaky
+def refusal(pool, cls) -> str:
+    """The line HiCache start-up stops with when the pool is of class `cls`."""
+    pool.__class__ = cls
     try:
-        problems = getters_not_waiting(pool)
-    finally:
-        pool.__class__ = DeepSeekV4TokenToKVPool
-    assert set(problems) == {"get_index_k_unwaited", "get_index_k_copied_early"}
-    assert problems["get_index_k_unwaited"].startswith("waited for []")
-    assert "before its layer's transfer landed" in problems["get_index_k_copied_early"]
-
-
-def test_hicache_refuses_a_pool_with_an_ungated_getter(pool):
-    """HiCache installs its counter with register_layer_transfer_counter; a pool whose getter
-    would read before the wait refuses it, naming the getter."""
-    counter = LandingCounter([])
-    pool.register_layer_transfer_counter(counter)
-    assert pool.layer_transfer_counter is counter
-    pool.register_layer_transfer_counter(None)
-
-    class Leaky(DeepSeekV4TokenToKVPool):
-        def get_indexer_compress_states_unwaited(self, layer_id: int):
-            return self.indexer_compress_state_pools[layer_id]
-
-    pool.__class__ = Leaky
-    try:
-        with pytest.raises(RuntimeError, match="get_indexer_compress_states_unwaited$"):
-            pool.register_layer_transfer_counter(counter)
+        with pytest.raises(RuntimeError) as refused:
+            pool.register_layer_transfer_counter(Counter())
     finally:
         pool.__class__ = DeepSeekV4TokenToKVPool
     assert pool.layer_transfer_counter is None
+    return str(refused.value)
+
+
+def test_upstream_getters_pass_on_every_layer_kind_and_memory_is_restored(pool):
+    generator = torch.Generator().manual_seed(3)
+    rows = [r for p in pool.index_pools.values() for r in p.index_k_with_scale_buffer]
+    for r in rows:
+        r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=generator))
+    before = [r.clone() for r in rows]
+
+    counter = Counter()
+    pool.register_layer_transfer_counter(counter)
+    assert pool.layer_transfer_counter is counter
+    pool.register_layer_transfer_counter(None)
+    assert all(torch.equal(r, b) for r, b in zip(rows, before, strict=True))
+
+
+class CopiesRowsBeforeWaiting(DeepSeekV4TokenToKVPool):
+    def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
+        rows = index_rows(self, layer_id).clone()
+        self.wait_layer_transfer(layer_id)
+        return rows
+
+
+class WaitsOnlyForC4Layers(DeepSeekV4TokenToKVPool):
+    def get_attention_compress_states(self, layer_id: int):
+        if self.layer_mapping[layer_id].compress_ratio == 4:
+            self.wait_layer_transfer(layer_id)
+        return self.compress_state_pools[layer_id]
+
+
+class ParameterNotNamedLayerId(DeepSeekV4TokenToKVPool):
+    def get_index_k_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        rows = index_rows(self, layer)[0].clone()
+        self.wait_layer_transfer(layer)
+        return rows
+
+
+class NameSaysNothingOfIndexK(DeepSeekV4TokenToKVPool):
+    def get_rows(self, layer_id: int) -> torch.Tensor:
+        return index_rows(self, layer_id)  # a view, and no wait
+
+
+@pytest.mark.parametrize(
+    "cls, getter, kind",
+    [
+        (CopiesRowsBeforeWaiting, "get_index_k_with_scale_buffer", "c4"),
+        (WaitsOnlyForC4Layers, "get_attention_compress_states", "c128"),
+        (ParameterNotNamedLayerId, "get_index_k_rows", "c4"),
+        (NameSaysNothingOfIndexK, "get_rows", "c4"),
+    ],
+)
+def test_hicache_start_up_refuses_a_getter_that_reads_before_waiting(pool, cls, getter, kind):
+    line = refusal(pool, cls)
+    assert "\n" not in line
+    assert f"{getter} ({kind} layer " in line
+    assert "read before the layer's transfer landed" in line
+
+
+class SkipsTheWaitOnLowRatioLayers(DeepSeekV4TokenToKVPool):
+    def get_low_ratio_index_k_rows(self, layer_id: int) -> torch.Tensor:
+        if self.layer_mapping[layer_id].compress_ratio not in (1, 2):
+            self.wait_layer_transfer(layer_id)
+        return index_rows(self, layer_id)[0].clone()
+
+
+def test_low_ratio_layers_are_probed_too(pool):
+    if 2 not in pool.index_pools:
+        pytest.skip("DeepSeek-V4-Flash has no low-ratio layers")
+    assert "get_low_ratio_index_k_rows (low-ratio c2 layer 4:" in refusal(
+        pool, SkipsTheWaitOnLowRatioLayers
+    )
+
+
+class WaitsForAnotherLayer(DeepSeekV4TokenToKVPool):
+    def get_index_k_of_next_layer(self, layer_id: int) -> torch.Tensor:
+        self.wait_layer_transfer(layer_id + 1)
+        return index_rows(self, layer_id)
+
+
+class TakesAnUnknownArgument(DeepSeekV4TokenToKVPool):
+    def get_index_k_window(self, layer_id: int, window: int) -> torch.Tensor:
+        self.wait_layer_transfer(layer_id)
+        return index_rows(self, layer_id)[:window]
+
+
+def test_a_wait_for_another_layer_or_an_unprobeable_getter_is_refused(pool):
+    assert "get_index_k_of_next_layer (c4 layer" in refusal(pool, WaitsForAnotherLayer)
+    line = refusal(pool, TakesAnUnknownArgument)
+    assert "get_index_k_window (takes 'window', for which the probe has no value" in line
+
+
+class ViewThenWait(DeepSeekV4TokenToKVPool):
+    def get_rows_view(self, layer: int) -> torch.Tensor:
+        rows = index_rows(self, layer)  # a view: read by the caller, after the wait below
+        self.wait_layer_transfer(layer)
+        return rows
+
+
+def test_a_view_taken_before_the_wait_is_not_a_read(pool):
+    counter = Counter()
+    pool.__class__ = ViewThenWait
+    try:
+        pool.register_layer_transfer_counter(counter)
+        assert pool.layer_transfer_counter is counter
+    finally:
+        pool.register_layer_transfer_counter(None)
+        pool.__class__ = DeepSeekV4TokenToKVPool

@@ -3,33 +3,42 @@
 Register entry
   Target:      sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._dsv4_indexer_regions
                sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool._unaligned_transfer_error
+               sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.pd_kv_layout
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._add_remote_peer
                sglang.srt.disaggregation.nixl.conn.NixlKVManager.add_transfer_request
   Why:         Index-K rows leave the device pool in two places: the HiCache host mirror
                (DeepSeekV4PagedHostPool) and the PD peer's pool. A copy that assumes another row
                than the one stored corrupts keys. HiCache: the token-granular copy
                (transfer_cache_dsv4_mla) addresses 64-token pages of 584-B V4 C4 KV tokens (value
-               576 B + scale 8 B, kvcacheio.cuh); a bf16 index row is 256 B/token (16384 B per
-               64-slot page). PD: with prefill bf16 and decode fp8, upstream's prepared NIXL lists
-               raise inside the prefill bootstrap thread (stride 8448 < 16384) and requests hang;
-               with prefill fp8 and decode bf16 they are accepted and 8448-B rows land in
-               16384-B pages.
+               576 B + scale 8 B, kvcacheio.cuh; 37,440-B pages). Neither index row has that
+               layout: fp8 is 8448 B per 64-slot page (64 x 128 B keys, then 64 x 4 B scales),
+               bf16 16384 B, so upstream's token-granular copy of fp8 index rows is wrong too.
+               PD: with prefill bf16 and decode fp8, upstream's prepared NIXL lists raise inside
+               the prefill bootstrap thread (stride 8448 < 16384) and requests hang; with prefill
+               fp8 and decode bf16 they are accepted and 8448-B rows land in 16384-B pages.
+               Upstream's PD KV layout names no index-K dtype, so its decode-side check passes.
   How:         HiCache: the indexer regions take their row bytes from the live device buffers (one
-               page row: numel x element_size()) for every layout; a bf16 pool's region is
-               whole-page only (page_aligned_only), so the token-granular copy never sees bf16
-               rows, and a transfer that would need it stops with an error naming the row bytes
-               and why. PD: when a decode registers, the prefill compares the item length of every
-               region the transfer pairs; any difference refuses the pairing (no NIXL list is
-               prepared) with one error line naming both index-K dtypes, and every room with that
-               peer fails at once with the same line, which decode receives as the room's failure
-               reason and logs.
+               page row: numel x element_size()) for every layout, and every fused index row
+               (fp8 and bf16) is whole-page only (page_aligned_only). fp8 rows are routed to
+               whole pages, not proved correct token by token; a transfer that would need the
+               token-granular copy stops with an error naming the row bytes and why.
+               PD: the index-K dtype and page-row bytes of every indexer pool join the PD KV
+               layout (DeepSeekV4TokenToKVPool.pd_kv_layout, e.g. "c4_index_k=bf16/16384B"),
+               which the decode compares with the prefill's (upstream's check in
+               try_ensure_parallel_info) on its first request to that prefill, before a receiver
+               exists or any KV is allocated; a mismatch stops it with one line naming both
+               layouts. Second line (a decode without that check): when a decode registers, the
+               prefill compares the item length of every region the transfer pairs; a difference
+               refuses the pairing (no NIXL list is prepared) with one error line naming both
+               index-K dtypes, and every room with that peer fails at once with the same line,
+               which decode receives as the room's failure reason and logs.
   Upstream:    upstream 0.5.23 already sizes host rows from the live buffers
                (fused[0].shape[1] x element_size()) and refuses unaligned transfers on
                page-aligned-only pools, but marks every fused index row token-granular-capable;
-               PD compares item lengths only for PP-heterogeneous MLA and carries no index-K dtype.
-               Not upstream.
-  Remove when: index-k-bf16 is upstream with a whole-page-only bf16 host mirror (or a bf16
-               token-granular copy) and a PD registration check of item lengths.
+               its PD KV layout carries no index-K dtype, and PD compares item lengths only for
+               PP-heterogeneous MLA. Not upstream.
+  Remove when: index-k-bf16 is upstream with whole-page-only index rows in the host mirror (or a
+               token-granular copy for index rows) and the index-K dtype in the PD KV layout.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
 from sglang.srt.disaggregation.common.utils import TransferKVChunk
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -46,6 +56,7 @@ from sglang_dsv4.register import Add, Fix, Replace
 
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 _HOST = "sglang.srt.mem_cache.memory_pool_host"
+_POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
 
 # The replaced NIXL methods log as the module they replace methods of.
@@ -63,10 +74,11 @@ def _dsv4_indexer_page_row_groups(pool: Any, page_size: int) -> list:
             (PoolName.DEEPSEEK_V4_C4_INDEXER_SCALE, pool.index_scale_buffer, False),
         ]
     if not pool.uses_aiter_fp4_layout:
-        # One fused row per page. Only upstream's quantized rows may take the token-granular
-        # copy; bf16 rows are not its layout and move as whole pages.
-        whole_pages = getattr(pool, "index_k_dtype", None) == "bf16"
-        return [(PoolName.DEEPSEEK_V4_C4_INDEXER, pool.contiguous_page_row_buffers(), whole_pages)]
+        # One fused row per page, whole pages only whatever the dtype: the token-granular copy
+        # (transfer_cache_dsv4_mla) addresses 584-B C4 KV tokens in 37,440-B pages, which is
+        # neither an 8448-B fp8 index page (64 x 128 B keys, then 64 x 4 B scales) nor a
+        # 16384-B bf16 one.
+        return [(PoolName.DEEPSEEK_V4_C4_INDEXER, pool.contiguous_page_row_buffers(), True)]
     import torch
 
     # ROCm fp4: payload [pages, 1, 4, slots, 16] and ue8m0 scales [pages, 1, 4, slots] group
@@ -114,9 +126,27 @@ def _unaligned_transfer_error(self, host_indices, device_indices) -> ValueError:
         f"{self.pool_name}: refusing a token-granular transfer ({host_indices.numel()} host, "
         f"{device_indices.numel()} device indices; pages hold {self.slot_page_size}). This "
         f"pool's rows ({self.item_bytes} B per page) move only as whole pages: the "
-        "token-granular copy transfer_cache_dsv4_mla addresses 584-B V4 C4 KV tokens, not "
-        "these rows."
+        "token-granular copy transfer_cache_dsv4_mla addresses 584-B V4 C4 KV tokens in "
+        "37,440-B pages, not these rows."
     )
+
+
+def pd_kv_layout(self) -> str:
+    """The byte layouts PD peers must share: main KV, each compressed KV, and each indexer
+    pool's index keys (dtype and page row bytes), so the decode refuses a prefill of another
+    SGLANG_DSV4_INDEX_K_DTYPE before it allocates KV for any of its requests."""
+    if self.uniform_fp8:
+        kv = [KVLayout.UNIFORM_FP8.value]
+    else:
+        ratios = sorted(r for r in set(self.compression_ratios) if r != 0)
+        kv = [self.kv_layout.value]
+        kv += [f"c{r}:{self.compressed_kv_layout(r).value}" for r in ratios]
+    index_keys = []
+    for ratio, index_pool in sorted(self.index_pools.items()):
+        per_slot = index_pool.get_bytes_per_token()  # fixes the pool's dtype if still open
+        page_row = per_slot * index_pool.page_size
+        index_keys.append(f"c{ratio}_index_k={index_pool.index_k_dtype}/{page_row}B")
+    return ",".join(kv + index_keys)
 
 
 def dsv4_index_k_pairing_refusal(self, peer_info) -> str | None:
@@ -246,34 +276,41 @@ FIX = Fix(
         "Index-K rows leave the device pool for the HiCache host mirror (DeepSeekV4PagedHostPool) "
         "and for the PD peer's pool; a copy that assumes another row than the one stored corrupts "
         "keys. Upstream's token-granular HiCache copy (transfer_cache_dsv4_mla) addresses 64-token "
-        "pages of 584-B V4 C4 KV tokens; a bf16 index row is 256 B/token (16384 B per 64-slot "
-        "page). On PD, prefill bf16 / decode fp8 makes upstream's NIXL lists raise inside the "
-        "prefill bootstrap thread (requests then hang); prefill fp8 / decode bf16 is accepted and "
+        "pages of 584-B V4 C4 KV tokens (37,440-B pages); neither an fp8 index page (8448 B) nor "
+        "a bf16 one (16384 B) has that layout. On PD, upstream's KV layout names no index-K "
+        "dtype; prefill bf16 / decode fp8 makes upstream's NIXL lists raise inside the prefill "
+        "bootstrap thread (requests then hang); prefill fp8 / decode bf16 is accepted and "
         "8448-B rows land in 16384-B pages."
     ),
     how=(
         "HiCache: _dsv4_indexer_regions takes each region's row bytes from the live device "
-        "buffers (one page row, numel x element_size()) for every layout and marks a bf16 pool's "
-        "region whole-page only, so bf16 rows never reach the token-granular copy; a transfer "
-        "that would need it stops with an error naming the row bytes and why. PD: when a decode "
-        "registers, the prefill compares the item length of every region the transfer pairs; a "
-        "difference refuses the pairing before any NIXL list is prepared, with one error line "
-        "naming both index-K dtypes, and each room with that peer fails at once with that line "
-        "as the failure reason decode receives and logs."
+        "buffers (one page row, numel x element_size()) for every layout and marks every fused "
+        "index row (fp8 and bf16) whole-page only: fp8 rows are routed to whole pages, not "
+        "proved token by token; a transfer that would need the token-granular copy stops with "
+        "an error naming the row bytes and why. PD: DeepSeekV4TokenToKVPool.pd_kv_layout adds "
+        "each indexer pool's index-K dtype and page-row bytes (c4_index_k=bf16/16384B), so the "
+        "decode's layout check refuses a prefill of another dtype on its first request, before "
+        "any receiver or KV allocation, with one line naming both. A decode without that check "
+        "is refused by the prefill when it registers (item lengths of every paired region "
+        "compared, no NIXL list prepared, one error line naming both index-K dtypes), and each "
+        "room with that peer fails at once with that line as the failure reason decode "
+        "receives and logs."
     ),
     upstream=(
         "upstream 0.5.23 sizes host rows from the live buffers and refuses unaligned transfers "
-        "on page-aligned-only pools, but marks every fused index row token-granular-capable; PD "
-        "compares item lengths only for PP-heterogeneous MLA. The rest is not upstream"
+        "on page-aligned-only pools, but marks every fused index row token-granular-capable; its "
+        "PD KV layout carries no index-K dtype and PD compares item lengths only for "
+        "PP-heterogeneous MLA. The rest is not upstream"
     ),
     remove_when=(
-        "index-k-bf16 is upstream with a whole-page-only bf16 host mirror (or a bf16 "
-        "token-granular copy) and a PD registration check of item lengths."
+        "index-k-bf16 is upstream with whole-page-only index rows in the host mirror (or a "
+        "token-granular copy for index rows) and the index-K dtype in the PD KV layout."
     ),
     tests=("test/behaviour/test_host_mirror.py", "test/behaviour/test_pd_index_k_agreement.py",),
     targets=(
         f"{_ASSEMBLER}._dsv4_indexer_regions",
         f"{_HOST}.DeepSeekV4PagedHostPool",
+        f"{_POOL}.DeepSeekV4TokenToKVPool.pd_kv_layout",
         f"{_NIXL}.NixlKVManager._add_remote_peer",
         f"{_NIXL}.NixlKVManager.add_transfer_request",
     ),
@@ -287,6 +324,11 @@ FIX = Fix(
             target=f"{_HOST}.DeepSeekV4PagedHostPool._unaligned_transfer_error",
             func=_unaligned_transfer_error,
             signature="(self, host_indices, device_indices)",
+        ),
+        Replace(
+            target=f"{_POOL}.DeepSeekV4TokenToKVPool.pd_kv_layout",
+            func=pd_kv_layout,
+            signature="(self)",
         ),
         Replace(
             target=f"{_NIXL}.NixlKVManager._add_remote_peer",
