@@ -341,10 +341,12 @@ def test_prefill_thread_survives_bad_message_and_serves_the_next(prefill, peers,
             assert prefill.request_status[named] == KVPoll.Failed
             assert "could not handle a transfer_info message" in prefill.failure_records[named]
             assert f"room={named}, room failed" in lines[0]
-            # Failed is terminal: a later complete transfer info does not revive the room.
+            # Failed is terminal: a later complete transfer info is refused, not stored.
             sender.send(peer.transfer_info(named))
-            sender.send(peer.abort(open_room(prefill)))
-            assert wait_until(lambda: named in prefill.transfer_infos)
+            after = open_room(prefill)
+            sender.send(peer.abort(after))
+            assert wait_until(lambda: prefill.request_status[after] == KVPoll.Failed)
+            assert named not in prefill.transfer_infos
             assert prefill.request_status[named] == KVPoll.Failed
         else:
             assert prefill.request_status[named] == KVPoll.Bootstrapping
@@ -755,6 +757,10 @@ def test_soak_four_senders_mixed_traffic(prefill, peers, nixl_logs):
                 prefill.transfer_infos.pop(room, None)
                 prefill.req_to_decode_prefix_len.pop(room, None)
                 prefill.failure_records.pop(room, None)
+            # Why each failed room failed is kept, bounded, to answer a late transfer info for
+            # it; that is by design, not a leak: check the bound, then leave it out of the count.
+            assert len(prefill._failed_rooms) <= 4096
+            prefill._failed_rooms.clear()
             total = sum(len(s) for s in scripts)
             scripts = workers = None
             memory.append(python_memory())
