@@ -234,3 +234,25 @@ def test_a_socket_that_stays_broken_is_closed_and_rebound(pd):
     room = open_pd_room(prefill, decode)
     sender.send(peer.transfer_info(room))
     assert wait_until(lambda: prefill.request_status[room] == KVPoll.WaitingForInput, 3.0)
+
+
+def test_control_thread_health_reports_liveness_and_the_last_death(pd):
+    prefill, decode, peer, sender, failing = pd
+    health = prefill.control_thread_health()
+    assert health["healthy"] and health["threads"]["prefill_bootstrap"]["alive"]
+    assert health["threads"]["prefill_bootstrap"]["last_death"] is None
+    failing.fail.set()
+    assert wait_until(
+        lambda: prefill.control_thread_health()["threads"]["prefill_bootstrap"]["deaths"]
+    )
+    bootstrap = prefill.control_thread_health()["threads"]["prefill_bootstrap"]
+    assert "ZMQError: injected socket failure" in bootstrap["last_death"]
+    assert abs(bootstrap["last_death_at"] - time.time()) < 10
+    assert wait_until(lambda: prefill.control_thread_health()["healthy"])  # it restarted
+    # A thread that stops for good leaves the rank unhealthy, and says why.
+    other = bare_manager(DisaggregationMode.DECODE, decode.agent, engine_rank=2)
+    stop(other, other._start_decode_listener_thread())
+    health = other.control_thread_health()
+    listener = health["threads"]["decode_listener"]
+    assert not health["healthy"] and not listener["alive"]
+    assert listener["stopped"] == "its ZMQ context was terminated"

@@ -165,6 +165,7 @@ def _start_control_thread(self, role: str, handle_message, fail_waiting_rooms) -
         name=f"nixl-{role}",
         daemon=True,
     )
+    self._control_thread_state(role)["thread"] = thread
     thread.start()
     return thread
 
@@ -273,12 +274,28 @@ def _run_control_thread(
 
 
 def _control_thread_state(self, role: str) -> dict:
-    """Liveness record of one control thread: what /health and the tests read."""
+    """Liveness record of one control thread (read by control_thread_health)."""
     states = self.__dict__.setdefault("control_thread_states", {})
     return states.setdefault(
         role,
         {"received": 0, "last_death": None, "last_death_at": None, "stopped": None},
     )
+
+
+def control_thread_health(self) -> dict:
+    """Per control thread: alive, deaths (each followed by a restart), the last death's reason
+    and time, and why it stopped if it did; `healthy` is False once one is not running."""
+    threads = {}
+    for role, state in dict(self.__dict__.get("control_thread_states", {})).items():
+        thread = state.get("thread")
+        threads[role] = {
+            "alive": thread is not None and thread.is_alive(),
+            "deaths": self.__dict__.get("control_thread_events", {}).get((role, "death"), 0),
+            "last_death": state["last_death"],
+            "last_death_at": state["last_death_at"],
+            "stopped": state["stopped"],
+        }
+    return {"healthy": all(t["alive"] for t in threads.values()), "threads": threads}
 
 
 def _rebind_control_socket(self, role: str) -> bool:
@@ -736,6 +753,7 @@ FIX = Fix(
         Add(_MANAGER, _handle_node_failure),
         Add(_CONN, _decode_endpoint_of_message),
         Add(_MANAGER, _control_thread_state),
+        Add(_MANAGER, control_thread_health),
         Add(_MANAGER, _rebind_control_socket),
         Add(_MANAGER, _refuse_room),
         Add(_MANAGER, _remember_failed_room),
