@@ -4,6 +4,7 @@ Register entry
   Target:      sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_bootstrap_thread
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_decode_listener_thread
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_node_failure (added)
+               sglang.srt.disaggregation.nixl.conn.NixlKVManager.update_status (added)
   Why:         One thread on each prefill rank receives everything decode ranks send (peer
                registrations, transfer info, ABORT, staging replies). In 0.5.23 any exception ends
                it: a foreign message fails the guard assert, a truncated or undecodable one raises
@@ -27,6 +28,20 @@ Register entry
                isolated heartbeat errors are counted per manager (`control_thread_events`) and in
                the Prometheus counter sglang:nixl_control_thread_events_total{thread,event}. The
                threads are daemons, like the connector's other threads.
+               Both sides hear every failure: on a prefill, update_status tells the room's decode
+               ranks (KV_STATUS Failed with the recorded reason) whenever a room turns Failed,
+               except on the decode's own ABORT; why each room failed is kept (at most 4,096 rooms,
+               10 minutes) so a transfer info for a failed or already cleared room is answered
+               Failed instead of stored, and a room refused before the prefill opened it fails
+               when it opens. A malformed transfer info is answered to the endpoint it names. A
+               refused registration is recorded per peer and logged at ERROR once per cause; each
+               transfer info from that peer then fails its room at once, until the peer registers.
+               The metric is written in a try (logged once); the death path cannot raise. Two
+               socket errors with nothing received between close the socket and bind a new one on
+               the same port. The heartbeat fallback drops and disconnects the lost prefill's
+               cached endpoints. control_thread_health() reports each thread's liveness, deaths,
+               last death and why it stopped (not yet wired into /health: upstream's /health
+               proves only that the scheduler answers a probe that bypasses NIXL).
                Audit of the other long-lived NIXL connector threads: transfer_worker (prefill)
                already catches every exception per chunk and fails the room, no change;
                decode_listener_thread (decode) had no guard at all, fixed as above; the heartbeat
@@ -697,7 +712,12 @@ FIX = Fix(
         "after request: the cascade that wedged production. Decode's listener thread has no "
         "guard at all (a STAGING_REQ that fails to parse ends it, and rooms wait out the waiting "
         "timeout), and decode's heartbeat checker calls _handle_node_failure outside its guard, "
-        "so one exception there ends prefill failure detection for good."
+        "so one exception there ends prefill failure detection for good. Failures also stopped "
+        "at the prefill: a room failed there left its decode waiting 300 s, a transfer info for "
+        "a failed room was stored silently, the decode behind a malformed message was never "
+        "told, a refused decode registration let the peer's rooms go ready and fail only at the "
+        "transfer, a raising metric ended the thread, a broken socket was never replaced, and "
+        "the heartbeat fallback kept a lost prefill's cached endpoints."
     ),
     how=(
         "Both control threads run one supervised loop that handles each message in its own try. "
@@ -713,7 +733,14 @@ FIX = Fix(
         "Audited: transfer_worker already isolates each chunk (no change); decode listener "
         "(fixed); heartbeat checker (NixlKVManager._handle_node_failure isolates the failure "
         "handling and fails the tracked rooms itself if it raises); bootstrap server and "
-        "prefill-recompute pool isolate per request (no change)."
+        "prefill-recompute pool isolate per request (no change). A prefill room turning Failed "
+        "tells its decode ranks with the reason (not on the decode's own ABORT); failed rooms are "
+        "remembered (4,096 rooms, 10 min) so a late transfer info is answered Failed, not stored; "
+        "a malformed transfer info is answered to the endpoint it names; a refused registration "
+        "is recorded per peer (ERROR once per cause) and fails each of its rooms until it "
+        "registers again; the metric and the death path cannot raise; a socket failing twice "
+        "with nothing received is re-bound on its port; the heartbeat fallback drops the lost "
+        "prefill's cached endpoints; control_thread_health() reports liveness and last death."
     ),
     upstream=(
         "not upstream; PR #30352 (ABORT handled in this thread) and PR #34692 (bootstrap "
@@ -727,6 +754,7 @@ FIX = Fix(
         f"{_MANAGER}._start_bootstrap_thread",
         f"{_MANAGER}._start_decode_listener_thread",
         f"{_MANAGER}._handle_node_failure",
+        f"{_MANAGER}.update_status",
     ),
     replaces=(
         Replace(f"{_MANAGER}._start_bootstrap_thread", _start_bootstrap_thread, "(self)"),
