@@ -14,7 +14,6 @@ loopback cannot be made to produce on demand.
 
 from __future__ import annotations
 
-import errno
 import gc
 import itertools
 import logging
@@ -22,36 +21,30 @@ import socket
 import sys
 import threading
 import time
-from collections import defaultdict
 
-import numpy as np
 import psutil
 import pytest
-import requests
-import zmq
 from prometheus_client import REGISTRY
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.nixl.conn import GUARD, NixlKVManager
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+from sglang.srt.disaggregation.nixl.conn import GUARD
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from support.nixl import HOST, listen_as_single_rank, track_rooms, ucx_agent
+from support.nixl import (
+    HOST,
+    FailingSocket,
+    Peer,
+    Sender,
+    bare_manager,
+    new_room,
+    open_room,
+    open_room_on,
+    stop,
+    ucx_agent,
+    wait_until,
+)
 
 ABORTED = "Aborted by decode-side abort notification."
 METRIC = "sglang:nixl_control_thread_events_total"
-
-_room_numbers = itertools.count(1000)
-
-
-def new_room() -> int:
-    return next(_room_numbers)
-
-
-def wait_until(predicate, timeout_s: float = 3.0, poll_s: float = 0.002) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll_s)
-    return predicate()
 
 
 def metric(thread: str, event: str) -> float:
@@ -72,148 +65,6 @@ def decode_agents():
 
 
 # --- managers: the stand-in described in the module docstring ---------------------------------
-
-
-def empty_kv_args(engine_rank: int) -> KVArgs:
-    args = KVArgs()
-    args.engine_rank = engine_rank
-    args.gpu_id = 0
-    for name in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids"):
-        setattr(args, name, [])
-    args.kv_data_mem_kinds = []
-    for name in ("aux_data_ptrs", "aux_data_lens", "aux_item_lens"):
-        setattr(args, name, [])
-    for name in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids"):
-        setattr(args, name, [])
-    args.state_dim_per_tensor = []
-    args.state_types = []
-    return args
-
-
-def bare_manager(mode: DisaggregationMode, agent, engine_rank: int) -> NixlKVManager:
-    mgr = object.__new__(NixlKVManager)
-    mgr.disaggregation_mode = mode
-    mgr.kv_args = empty_kv_args(engine_rank)
-    mgr.agent = agent
-    mgr.is_mla_backend = True  # DeepSeek-V4 is MLA
-    mgr.is_hybrid_mla_backend = False
-    mgr._kv_replica_factor = None
-    listen_as_single_rank(mgr)
-    track_rooms(mgr)
-    mgr.enable_staging = False
-    mgr._staging_handler = None
-    if mode == DisaggregationMode.PREFILL:
-        mgr.transfer_infos = {}
-        mgr.req_to_decode_prefix_len = {}
-        mgr.decode_kv_args_table = {}
-        mgr.src_mem_kind = None
-        mgr._prepared_state_plans = {}
-        mgr._state_layout_rejections = {}
-        mgr._prepared_state_components = frozenset()
-    else:
-        mgr.prefill_response_tracker = {}
-        mgr.required_prefill_response_num_table = {}
-        mgr._deferred_abort_ack_tracker = {}
-        mgr.connection_lock = threading.Lock()
-        mgr.connection_pool = {}
-        mgr.prefill_info_table = {}
-        mgr.addr_to_rooms_tracker = defaultdict(set)
-        mgr.heartbeat_failures = {}
-        mgr.session_pool = defaultdict(requests.Session)
-        mgr.session_pool_lock = threading.Lock()
-        mgr._heartbeat_shutdown = threading.Event()
-    return mgr
-
-
-def stop(mgr: NixlKVManager, *threads: threading.Thread) -> None:
-    """Terminate the manager's ZMQ context: a control thread takes that as its signal to stop."""
-    for sock in [*mgr._socket_cache.values(), *mgr._monitor_cache.values()]:
-        sock.close(linger=0)
-    if not threads:  # no control thread was started to close its socket
-        mgr.server_socket.close(linger=0)
-    terminating = threading.Thread(target=mgr._zmq_ctx.term, daemon=True)
-    terminating.start()
-    for thread in threads:
-        thread.join(5)
-        assert not thread.is_alive(), f"{thread.name} did not stop with its context"
-    terminating.join(5)
-    assert not terminating.is_alive(), "a socket of the manager was left open"
-
-
-def open_room(mgr: NixlKVManager, status: int = KVPoll.Bootstrapping) -> int:
-    """A room as CommonKVSender / CommonKVReceiver open it, optionally moved on."""
-    room = new_room()
-    mgr.update_status(room, KVPoll.Bootstrapping)
-    if status != KVPoll.Bootstrapping:
-        mgr.update_status(room, status)
-    return room
-
-
-class Peer:
-    """A decode rank as seen from the wire: upstream's builders make its messages."""
-
-    def __init__(self, agent, engine_rank: int, port: int):
-        self.mgr = bare_manager(DisaggregationMode.DECODE, agent, engine_rank)
-        # Messages name this port as the decode's status endpoint.
-        self.mgr.server_socket.close(linger=0)
-        self.mgr.rank_port = port
-        self.name = agent.name
-
-    def registration(self) -> list[bytes]:
-        return self.mgr.build_receiver_registration_message()
-
-    def transfer_info(self, room: int, required: int = 1) -> list[bytes]:
-        return self.mgr.build_receiver_metadata_message(
-            bootstrap_room=room,
-            required_dst_info_num=required,
-            kv_indices=np.arange(8, dtype=np.int32),
-            aux_index=room % 64,
-            state_indices=None,
-            decode_prefix_len=None,
-            is_dummy=False,
-        )
-
-    def abort(self, room: int) -> list[bytes]:
-        return [b"ABORT", str(room).encode()]
-
-    def close(self) -> None:
-        self.mgr._zmq_ctx.term()
-
-
-class Sender:
-    """A PUSH socket to a manager's control socket; one sender keeps its messages in order."""
-
-    def __init__(self, port: int):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{HOST}:{port}")
-
-    def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
-class FailingSocket:
-    """The manager's real socket, except that recv raises a ZMQ error once `fail` is set."""
-
-    def __init__(self, real: zmq.Socket):
-        self.real = real
-        self.fail = threading.Event()
-
-    def recv_multipart(self):
-        while True:
-            if self.fail.is_set():
-                self.fail.clear()
-                raise zmq.ZMQError(errno.EIO, "injected socket failure")
-            if self.real.poll(5):
-                return self.real.recv_multipart()
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
 
 
 @pytest.fixture
@@ -341,10 +192,12 @@ def test_prefill_thread_survives_bad_message_and_serves_the_next(prefill, peers,
             assert prefill.request_status[named] == KVPoll.Failed
             assert "could not handle a transfer_info message" in prefill.failure_records[named]
             assert f"room={named}, room failed" in lines[0]
-            # Failed is terminal: a later complete transfer info does not revive the room.
+            # Failed is terminal: a later complete transfer info is refused, not stored.
             sender.send(peer.transfer_info(named))
-            sender.send(peer.abort(open_room(prefill)))
-            assert wait_until(lambda: named in prefill.transfer_infos)
+            after = open_room(prefill)
+            sender.send(peer.abort(after))
+            assert wait_until(lambda: prefill.request_status[after] == KVPoll.Failed)
+            assert named not in prefill.transfer_infos
             assert prefill.request_status[named] == KVPoll.Failed
         else:
             assert prefill.request_status[named] == KVPoll.Bootstrapping
@@ -496,11 +349,6 @@ def test_prefill_thread_death_fails_waiting_rooms_at_once_and_restarts(
         stop(decode, listener)
 
 
-def open_room_on(mgr: NixlKVManager, room: int, status: int) -> None:
-    mgr.update_status(room, KVPoll.Bootstrapping)
-    mgr.update_status(room, status)
-
-
 # --- the decode listener ----------------------------------------------------------------------
 
 DECODE_CASES = {
@@ -606,6 +454,10 @@ def test_heartbeat_survives_failure_handling_that_raises(prefill, nixl_logs):
     dead_addr = f"{HOST}:{dead_port}"
     decode.prefill_info_table[dead_addr] = object()
     decode.connection_pool[f"{dead_addr}_0_0"] = [{"rank_ip": HOST, "rank_port": "port?"}]
+    # A rank endpoint of that prefill cached and connected by an earlier receiver.
+    decode.connection_pool[f"{dead_addr}_0_1"] = [{"rank_ip": HOST, "rank_port": str(dead_port)}]
+    dead_rank = f"tcp://{HOST}:{dead_port}"
+    CommonKVReceiver._connect(dead_rank)
     room = new_room()
     open_room_on(decode, room, KVPoll.WaitingForInput)
     decode.addr_to_rooms_tracker[dead_addr].add(room)
@@ -620,13 +472,16 @@ def test_heartbeat_survives_failure_handling_that_raises(prefill, nixl_logs):
         # Forgotten, as the common handling does: not probed (and failed) again.
         assert dead_addr not in decode.prefill_info_table
         assert dead_addr not in decode.addr_to_rooms_tracker
+        # Its cached endpoints are dropped and disconnected: a restarted prefill at the same
+        # address is looked up again and gets this decode's registration again.
+        assert not [k for k in decode.connection_pool if k.startswith(dead_addr)]
+        assert dead_rank not in CommonKVReceiver._socket_cache
         # The thread goes on: a prefill lost later is handled normally.
         later_addr = f"{HOST}:{dead_port}"
         decode.heartbeat_failures.pop(later_addr, None)
         later = new_room()
         open_room_on(decode, later, KVPoll.Transferring)
         with decode.connection_lock:
-            decode.connection_pool.clear()
             decode.prefill_info_table[later_addr] = object()
             decode.addr_to_rooms_tracker[later_addr].add(later)
         assert wait_until(lambda: decode.request_status[later] == KVPoll.Failed, 5.0)
@@ -755,6 +610,11 @@ def test_soak_four_senders_mixed_traffic(prefill, peers, nixl_logs):
                 prefill.transfer_infos.pop(room, None)
                 prefill.req_to_decode_prefix_len.pop(room, None)
                 prefill.failure_records.pop(room, None)
+            # Why each failed room failed is kept, bounded, to answer a late transfer info for
+            # it; that is by design, not a leak: check the bound, then leave it out of the count.
+            failed_rooms = prefill.__dict__.get("_failed_rooms", {})
+            assert len(failed_rooms) <= 4096
+            failed_rooms.clear()
             total = sum(len(s) for s in scripts)
             scripts = workers = None
             memory.append(python_memory())

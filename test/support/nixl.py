@@ -1,4 +1,4 @@
-"""A NixlKVManager without its constructor, for tests on this machine.
+"""A NixlKVManager without its constructor, and decode peers on the wire, for tests here.
 
 The real `NixlKVManager.__init__` needs a GPU, a bootstrap server and a published runtime
 context, so tests build the manager with `object.__new__` and set only the attributes the code
@@ -8,12 +8,19 @@ with UCX, zmq on loopback) is upstream's real code.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import threading
+import time
 from collections import defaultdict
 
+import numpy as np
+import requests
 import zmq
 from nixl._api import nixl_agent, nixl_agent_config
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_zmq_socket_on_host
 
 HOST = "127.0.0.1"
@@ -45,3 +52,170 @@ def track_rooms(mgr) -> None:
     mgr._staging_outstanding = defaultdict(int)
     mgr._deferred_ack_targets, mgr._deferred_ack_poisoned_rooms = {}, set()
     mgr.enable_deferred_decode_kv_release = False
+
+
+_room_numbers = itertools.count(1000)
+
+
+def new_room() -> int:
+    return next(_room_numbers)
+
+
+def wait_until(predicate, timeout_s: float = 3.0, poll_s: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return predicate()
+
+
+def empty_kv_args(engine_rank: int) -> KVArgs:
+    args = KVArgs()
+    args.engine_rank = engine_rank
+    args.gpu_id = 0
+    for name in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids"):
+        setattr(args, name, [])
+    args.kv_data_mem_kinds = []
+    for name in ("aux_data_ptrs", "aux_data_lens", "aux_item_lens"):
+        setattr(args, name, [])
+    for name in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids"):
+        setattr(args, name, [])
+    args.state_dim_per_tensor = []
+    args.state_types = []
+    return args
+
+
+def bare_manager(mode: DisaggregationMode, agent, engine_rank: int) -> NixlKVManager:
+    mgr = object.__new__(NixlKVManager)
+    mgr.disaggregation_mode = mode
+    mgr.kv_args = empty_kv_args(engine_rank)
+    mgr.agent = agent
+    mgr.is_mla_backend = True  # DeepSeek-V4 is MLA
+    mgr.is_hybrid_mla_backend = False
+    mgr._kv_replica_factor = None
+    listen_as_single_rank(mgr)
+    track_rooms(mgr)
+    mgr.enable_staging = False
+    mgr._staging_handler = None
+    if mode == DisaggregationMode.PREFILL:
+        mgr.transfer_infos = {}
+        mgr.req_to_decode_prefix_len = {}
+        mgr.decode_kv_args_table = {}
+        mgr.src_mem_kind = None
+        mgr._prepared_state_plans = {}
+        mgr._state_layout_rejections = {}
+        mgr._prepared_state_components = frozenset()
+    else:
+        mgr.prefill_response_tracker = {}
+        mgr.required_prefill_response_num_table = {}
+        mgr._deferred_abort_ack_tracker = {}
+        mgr.connection_lock = threading.Lock()
+        mgr.connection_pool = {}
+        mgr.prefill_info_table = {}
+        mgr.addr_to_rooms_tracker = defaultdict(set)
+        mgr.heartbeat_failures = {}
+        mgr.session_pool = defaultdict(requests.Session)
+        mgr.session_pool_lock = threading.Lock()
+        mgr._heartbeat_shutdown = threading.Event()
+    return mgr
+
+
+def stop(mgr: NixlKVManager, *threads: threading.Thread) -> None:
+    """Terminate the manager's ZMQ context: a control thread takes that as its signal to stop."""
+    for sock in [*mgr._socket_cache.values(), *mgr._monitor_cache.values()]:
+        sock.close(linger=0)
+    if not threads:  # no control thread was started to close its socket
+        mgr.server_socket.close(linger=0)
+    terminating = threading.Thread(target=mgr._zmq_ctx.term, daemon=True)
+    terminating.start()
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive(), f"{thread.name} did not stop with its context"
+    terminating.join(5)
+    assert not terminating.is_alive(), "a socket of the manager was left open"
+
+
+def open_room(mgr: NixlKVManager, status: int = KVPoll.Bootstrapping) -> int:
+    """A room as CommonKVSender / CommonKVReceiver open it, optionally moved on."""
+    room = new_room()
+    mgr.update_status(room, KVPoll.Bootstrapping)
+    if status != KVPoll.Bootstrapping:
+        mgr.update_status(room, status)
+    return room
+
+
+class Peer:
+    """A decode rank as seen from the wire: upstream's builders make its messages."""
+
+    def __init__(self, agent, engine_rank: int, port: int):
+        self.mgr = bare_manager(DisaggregationMode.DECODE, agent, engine_rank)
+        # Messages name this port as the decode's status endpoint.
+        self.mgr.server_socket.close(linger=0)
+        self.mgr.rank_port = port
+        self.name = agent.name
+
+    def registration(self) -> list[bytes]:
+        return self.mgr.build_receiver_registration_message()
+
+    def transfer_info(self, room: int, required: int = 1) -> list[bytes]:
+        return self.mgr.build_receiver_metadata_message(
+            bootstrap_room=room,
+            required_dst_info_num=required,
+            kv_indices=np.arange(8, dtype=np.int32),
+            aux_index=room % 64,
+            state_indices=None,
+            decode_prefix_len=None,
+            is_dummy=False,
+        )
+
+    def abort(self, room: int) -> list[bytes]:
+        return [b"ABORT", str(room).encode()]
+
+    def close(self) -> None:
+        self.mgr._zmq_ctx.term()
+
+
+class Sender:
+    """A PUSH socket to a manager's control socket; one sender keeps its messages in order."""
+
+    def __init__(self, port: int):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{HOST}:{port}")
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+class FailingSocket:
+    """The manager's real socket, except that recv raises a ZMQ error once `fail` is set, or
+    on every call once `broken` is set (a socket that stays broken)."""
+
+    def __init__(self, real: zmq.Socket):
+        self.real = real
+        self.fail = threading.Event()
+        self.broken = threading.Event()
+
+    def recv_multipart(self):
+        while True:
+            if self.broken.is_set():
+                raise zmq.ZMQError(errno.EIO, "injected socket failure, for good")
+            if self.fail.is_set():
+                self.fail.clear()
+                raise zmq.ZMQError(errno.EIO, "injected socket failure")
+            if self.real.poll(5):
+                return self.real.recv_multipart()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def open_room_on(mgr: NixlKVManager, room: int, status: int) -> None:
+    mgr.update_status(room, KVPoll.Bootstrapping)
+    mgr.update_status(room, status)

@@ -4,6 +4,7 @@ Register entry
   Target:      sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_bootstrap_thread
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_decode_listener_thread
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_node_failure (added)
+               sglang.srt.disaggregation.nixl.conn.NixlKVManager.update_status (added)
   Why:         One thread on each prefill rank receives everything decode ranks send (peer
                registrations, transfer info, ABORT, staging replies). In 0.5.23 any exception ends
                it: a foreign message fails the guard assert, a truncated or undecodable one raises
@@ -27,6 +28,20 @@ Register entry
                isolated heartbeat errors are counted per manager (`control_thread_events`) and in
                the Prometheus counter sglang:nixl_control_thread_events_total{thread,event}. The
                threads are daemons, like the connector's other threads.
+               Both sides hear every failure: on a prefill, update_status tells the room's decode
+               ranks (KV_STATUS Failed with the recorded reason) whenever a room turns Failed,
+               except on the decode's own ABORT; why each room failed is kept (at most 4,096 rooms,
+               10 minutes) so a transfer info for a failed or already cleared room is answered
+               Failed instead of stored, and a room refused before the prefill opened it fails
+               when it opens. A malformed transfer info is answered to the endpoint it names. A
+               refused registration is recorded per peer and logged at ERROR once per cause; each
+               transfer info from that peer then fails its room at once, until the peer registers.
+               The metric is written in a try (logged once); the death path cannot raise. Two
+               socket errors with nothing received between close the socket and bind a new one on
+               the same port. The heartbeat fallback drops and disconnects the lost prefill's
+               cached endpoints. control_thread_health() reports each thread's liveness, deaths,
+               last death and why it stopped (not yet wired into /health: upstream's /health
+               proves only that the scheduler answers a probe that bypasses NIXL).
                Audit of the other long-lived NIXL connector threads: transfer_worker (prefill)
                already catches every exception per chunk and fails the room, no change;
                decode_listener_thread (decode) had no guard at all, fixed as above; the heartbeat
@@ -46,17 +61,20 @@ Register entry
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
+from collections import OrderedDict
 
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
 from sglang.srt.disaggregation.common.staging_handler import (
     handle_staging_rsp,
     handle_watermark_msg,
 )
 from sglang.srt.disaggregation.nixl.conn import (
+    ABORT_TAG,
     GUARD,
     KVArgsRegisterInfo,
     NixlKVManager,
@@ -64,6 +82,7 @@ from sglang.srt.disaggregation.nixl.conn import (
     logger,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import NetworkAddress, config_socket
 
 from sglang_dsv4.register import Add, Fix, Replace
 
@@ -116,6 +135,16 @@ def _describe_nixl_control_message(
     return tag.decode("ascii").lower(), text_at(peer_index), room
 
 
+def _decode_endpoint_of_message(frames: list[bytes]) -> tuple[str, int] | None:
+    """The status endpoint (ip, port) a decode's GUARD message names, if it decodes; never raises."""
+    try:
+        if bytes(frames[0]) != GUARD:
+            return None
+        return bytes(frames[2]).decode("ascii"), int(bytes(frames[3]).decode("ascii"))
+    except (IndexError, TypeError, ValueError, UnicodeDecodeError):
+        return None
+
+
 def _start_bootstrap_thread(self):
     return self._start_control_thread(
         "prefill_bootstrap",
@@ -141,13 +170,17 @@ def _start_control_thread(self, role: str, handle_message, fail_waiting_rooms) -
         # (thread role, message kind) -> (last logged, left out since): rate-limits drop lines.
         self._control_drop_log = {}
     # Created here, on the constructing thread, so the control threads never race to create it.
-    self._control_thread_event_counter()
+    try:
+        self._control_thread_event_counter()
+    except Exception:
+        logger.exception("NIXL control-thread metric could not be created; counting per manager")
     thread = threading.Thread(
         target=self._run_control_thread,
         args=(role, handle_message, fail_waiting_rooms),
         name=f"nixl-{role}",
         daemon=True,
     )
+    self._control_thread_state(role)["thread"] = thread
     thread.start()
     return thread
 
@@ -169,11 +202,24 @@ def _control_thread_event_counter(self):
 
 
 def _count_control_thread_event(self, role: str, event: str) -> int:
+    """Count an event per manager and in the metric; never raises (it runs on failure paths)."""
     if not hasattr(self, "control_thread_events"):
         self.control_thread_events = {}  # the heartbeat may count before any control thread
     key = (role, event)
     self.control_thread_events[key] = self.control_thread_events.get(key, 0) + 1
-    self._control_thread_event_counter().labels(thread=role, event=event).inc()
+    try:
+        self._control_thread_event_counter().labels(thread=role, event=event).inc()
+    except Exception as e:
+        # A metric that cannot be written (say, its multiprocess directory vanished) must not
+        # stop the failure path it reports on; say so once per manager.
+        if not self.__dict__.setdefault("_control_metric_failed", False):
+            self._control_metric_failed = True
+            logger.error(
+                "NIXL control-thread metric not updated (%s: %s); events are still counted "
+                "per manager (control_thread_events)",
+                type(e).__name__,
+                e,
+            )
     return self.control_thread_events[key]
 
 
@@ -186,48 +232,123 @@ def _run_control_thread(
     max_backoff_s: float = 10.0,
 ) -> None:
     """Serve the control socket for good: a death fails the waiting rooms, then restarts."""
+    state = self._control_thread_state(role)
     backoff_s = first_backoff_s
+    socket_errors_in_a_row = 0
     while True:
         started = time.monotonic()
+        received_before = state["received"]
         try:
             self._serve_control_messages(handle_message, role)
         except zmq.ContextTerminated:
             self.server_socket.close(linger=0)
+            state["stopped"] = "its ZMQ context was terminated"
             logger.info("NIXL %s thread stops: its ZMQ context was terminated", role)
             return
         except Exception as e:
             if self.server_socket.closed:
+                state["stopped"] = "its socket was closed"
                 logger.info("NIXL %s thread stops: its socket was closed", role)
                 return
-            deaths = self._count_control_thread_event(role, "death")
+            # Nothing below may raise: this is what keeps the rooms and the thread alive.
             reason = (
                 f"NIXL {role} thread on engine_rank={self.kv_args.engine_rank} died "
                 f"({type(e).__name__}: {str(e)[:200]})"
             )
+            deaths = self._count_control_thread_event(role, "death")
+            state["last_death"], state["last_death_at"] = reason, time.time()
             try:
                 failed = fail_waiting_rooms(reason)
             except Exception:
                 logger.exception("NIXL %s: failing the waiting rooms raised", role)
                 failed = -1
+            # A socket that fails again before a single message came through stays broken:
+            # close it and bind a new one on the same port, which the peers already know.
+            broken = isinstance(e, zmq.ZMQError) and state["received"] == received_before
+            socket_errors_in_a_row = socket_errors_in_a_row + 1 if broken else 0
+            rebound = socket_errors_in_a_row >= 2 and self._rebind_control_socket(role)
+            if rebound:
+                socket_errors_in_a_row = 0
             # A thread that served for a while starts its back-off over.
             if time.monotonic() - started > 6 * max_backoff_s:
                 backoff_s = first_backoff_s
-            logger.error(
-                "%s; death #%d, %s waiting room(s) failed at once; restarting in %.1f s",
-                reason,
-                deaths,
-                failed if failed >= 0 else "no",
-                backoff_s,
-                exc_info=True,
-            )
+            try:
+                logger.error(
+                    "%s; death #%d, %s waiting room(s) failed at once;%s restarting in %.1f s",
+                    reason,
+                    deaths,
+                    failed if failed >= 0 else "no",
+                    " socket re-bound;" if rebound else "",
+                    backoff_s,
+                    exc_info=True,
+                )
+            except Exception:
+                pass
             time.sleep(backoff_s)
             backoff_s = min(2 * backoff_s, max_backoff_s)
 
 
+def _control_thread_state(self, role: str) -> dict:
+    """Liveness record of one control thread (read by control_thread_health)."""
+    states = self.__dict__.setdefault("control_thread_states", {})
+    return states.setdefault(
+        role,
+        {"received": 0, "last_death": None, "last_death_at": None, "stopped": None},
+    )
+
+
+def control_thread_health(self) -> dict:
+    """Per control thread: alive, deaths (each followed by a restart), the last death's reason
+    and time, and why it stopped if it did; `healthy` is False once one is not running."""
+    threads = {}
+    for role, state in dict(self.__dict__.get("control_thread_states", {})).items():
+        thread = state.get("thread")
+        threads[role] = {
+            "alive": thread is not None and thread.is_alive(),
+            "deaths": self.__dict__.get("control_thread_events", {}).get((role, "death"), 0),
+            "last_death": state["last_death"],
+            "last_death_at": state["last_death_at"],
+            "stopped": state["stopped"],
+        }
+    return {"healthy": all(t["alive"] for t in threads.values()), "threads": threads}
+
+
+def _rebind_control_socket(self, role: str) -> bool:
+    """Replace the control socket by a new one bound on the same port; False if it cannot be."""
+    address = NetworkAddress(self.local_ip, self.rank_port)
+    try:
+        self.server_socket.close(linger=0)
+    except Exception:
+        logger.exception("NIXL %s: closing the broken control socket raised", role)
+    # The closed socket releases its port asynchronously: retry for up to a second.
+    for _ in range(50):
+        sock = self._zmq_ctx.socket(zmq.PULL)
+        try:
+            config_socket(sock, zmq.PULL)
+            if address.is_ipv6:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.bind(address.to_tcp())
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            if e.errno != errno.EADDRINUSE:
+                logger.error("NIXL %s: cannot re-bind %s: %s", role, address.to_tcp(), e)
+                return False
+            time.sleep(0.02)
+            continue
+        self.server_socket = sock
+        self._count_control_thread_event(role, "socket_rebound")
+        logger.warning("NIXL %s: control socket %s closed and re-bound", role, address.to_tcp())
+        return True
+    logger.error("NIXL %s: %s stayed in use; the socket was not re-bound", role, address.to_tcp())
+    return False
+
+
 def _serve_control_messages(self, handle_message, role: str) -> None:
+    state = self._control_thread_state(role)
     receive = self.server_socket.recv_multipart
     while True:
         frames = receive()
+        state["received"] += 1
         try:
             handle_message(frames)
         except Exception as e:
@@ -240,9 +361,16 @@ def _drop_control_message(
     kind, peer, room = _describe_nixl_control_message(frames)
     self._count_control_thread_event(role, "dropped_message")
     error_text = f"{type(error).__name__}: {str(error)[:200]}"
-    room_failed = room is not None and self._fail_live_room(
-        room, f"NIXL {role} could not handle a {kind} message for this room ({error_text})"
-    )
+    reason = f"NIXL {role} could not handle a {kind} message for this room ({error_text})"
+    decode = _decode_endpoint_of_message(frames) if kind == "transfer_info" else None
+    if room is None:
+        room_failed = False
+    elif role == "prefill_bootstrap" and kind == "transfer_info":
+        # The decode that sent it waits for this room too: tell it, and fail the room here
+        # now or, if the prefill has not opened it yet, as soon as it does.
+        room_failed = self._refuse_room(room, reason, decode)
+    else:
+        room_failed = self._fail_live_room(room, reason)
     # One line per (thread, kind) and interval; the next line says how many were left out.
     now = time.monotonic()
     last_logged, left_out = self._control_drop_log.get((role, kind), (None, 0))
@@ -251,12 +379,13 @@ def _drop_control_message(
         return
     self._control_drop_log[(role, kind)] = (now, 0)
     logger.warning(
-        "NIXL %s dropped a bad %s message (peer=%s, room=%s%s): %s%s",
+        "NIXL %s dropped a bad %s message (peer=%s, room=%s%s%s): %s%s",
         role,
         kind,
         peer or "unknown",
         "unknown" if room is None else room,
         ", room failed" if room_failed else "",
+        ", decode told" if decode is not None and room is not None else "",
         error_text,
         f" [{left_out} more like it in the last {now - last_logged:.0f} s]" if left_out else "",
     )
@@ -277,6 +406,126 @@ def _fail_live_room(self, room: int, reason: str) -> bool:
     self.record_failure(room, reason)
     self.update_status(room, KVPoll.Failed)
     return True
+
+
+def _refuse_room(self, room: int, reason: str, decode: tuple[str, int] | None = None) -> bool:
+    """Fail a room a decode asked for, on both sides, even before the prefill opens it.
+
+    Returns whether a live room failed here. `decode` is the status endpoint of the decode
+    whose message is refused; it is told even when the prefill has not stored its info.
+    """
+    failed_here = self._fail_live_room(room, reason)
+    if room not in self.request_status:
+        self._remember_failed_room(room, reason, opened=False)
+    if decode is not None:
+        self.send_kv_status_message(
+            targets=[decode], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+        )
+    return failed_here
+
+
+def _remember_failed_room(self, room: int, reason: str, opened: bool) -> None:
+    """Keep why a room failed for a while, so that a late transfer info for it is answered
+    (`opened`) or the room fails as soon as the prefill opens it (not `opened`)."""
+    rooms = self.__dict__.setdefault("_failed_rooms", OrderedDict())
+    now = time.monotonic()
+    with self.__dict__.setdefault("_failed_rooms_lock", threading.Lock()):
+        rooms.pop(room, None)
+        rooms[room] = (reason, opened, now)
+        # Bounded: the oldest go first, and none is kept past ten minutes.
+        while rooms and (len(rooms) > 4096 or now - next(iter(rooms.values()))[2] > 600):
+            rooms.popitem(last=False)
+
+
+def _recall_failed_room(self, room: int, forget: bool = False) -> tuple[str, bool] | None:
+    rooms = self.__dict__.get("_failed_rooms")
+    if not rooms:
+        return None
+    with self.__dict__.setdefault("_failed_rooms_lock", threading.Lock()):
+        entry = rooms.pop(room, None) if forget else rooms.get(room)
+    return None if entry is None else entry[:2]
+
+
+def update_status(self, bootstrap_room: int, status: KVPoll):
+    """The common status update; on a prefill, a room that fails also tells its decode ranks.
+
+    Every failure path (sender abort, bootstrap timeout, control-thread death, a refused
+    message) ends here, so decode learns at once instead of at its waiting timeout.
+    """
+    if self.disaggregation_mode != DisaggregationMode.PREFILL:
+        return CommonKVManager.update_status(self, bootstrap_room, status)
+    before = self.request_status.get(bootstrap_room)
+    CommonKVManager.update_status(self, bootstrap_room, status)
+    if before is None:
+        if bootstrap_room in self.request_status:
+            self._on_room_opened(bootstrap_room)
+    elif status == KVPoll.Failed and before != KVPoll.Failed:
+        self._on_room_failed(bootstrap_room)
+
+
+def _on_room_opened(self, room: int) -> None:
+    remembered = self._recall_failed_room(room, forget=True)
+    if remembered is None:
+        return
+    reason, opened = remembered
+    if not opened:
+        # A decode's message for this room was refused before the prefill opened it.
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+    # Else a new request reuses the number of a room that failed: it starts clean.
+
+
+def _on_room_failed(self, room: int) -> None:
+    """Tell the room's decode ranks it failed, with the reason; never raises."""
+    try:
+        with self.failure_lock:
+            reason = self.failure_records.get(room)
+        self._remember_failed_room(room, reason or self.DEFAULT_PREFILL_FAILURE_REASON, True)
+        if getattr(self, "_decode_abort_thread", None) == threading.get_ident():
+            return  # the decode asked for it (ABORT) and keeps its own reason
+        self.send_kv_status_message(
+            targets=self._room_notify_targets(room),
+            bootstrap_room=room,
+            status=KVPoll.Failed,
+            failure_reason=reason,
+        )
+    except Exception:
+        logger.exception("Could not tell decode that room %s failed", room)
+
+
+def _record_failed_registration(self, peer: str, error: Exception) -> None:
+    """Remember why a decode peer could not register; its rooms fail until it registers."""
+    cause = f"{type(error).__name__}: {str(error)[:300]}"
+    failures = self.__dict__.setdefault("failed_decode_registrations", {})
+    if failures.get(peer) != cause:
+        logger.error(
+            "Decode peer %s could not register with prefill engine_rank=%s (%s); every room "
+            "it sends fails at once until it registers successfully",
+            peer,
+            self.kv_args.engine_rank,
+            cause,
+        )
+    failures[peer] = cause
+
+
+def _transfer_info_refusal(self, info: TransferInfo) -> str | None:
+    """Why this transfer info must not be stored, or None."""
+    cause = self.__dict__.get("failed_decode_registrations", {}).get(info.agent_name)
+    if cause is not None:
+        return (
+            f"decode peer {info.agent_name} failed to register with prefill "
+            f"engine_rank={self.kv_args.engine_rank}: {cause}"
+        )
+    status = self.request_status.get(info.room)
+    if status == KVPoll.Failed:
+        with self.failure_lock:
+            reason = self.failure_records.get(info.room)
+        return reason or self.DEFAULT_PREFILL_FAILURE_REASON
+    if status is None:
+        remembered = self._recall_failed_room(info.room)
+        if remembered is not None:
+            return remembered[0]
+    return None
 
 
 def _room_status_snapshot(self) -> list[tuple[int, int]]:
@@ -314,31 +563,55 @@ def _handle_prefill_control_message(self, frames: list[bytes]) -> None:
         else:
             handle_staging_rsp(frames, self.transfer_infos)
         return
-    if self._handle_abort_notification(frames):
-        return
+    if tag == ABORT_TAG:
+        # A room failed on a decode's ABORT is not reported back to it.
+        self._decode_abort_thread = threading.get_ident()
+        try:
+            if self._handle_abort_notification(frames):
+                return
+        finally:
+            self._decode_abort_thread = None
     if tag != GUARD:
         raise ValueError(f"first frame is not {GUARD!r}: foreign traffic?")
     if frames[1] == b"None":
-        self._register_decode_peer(KVArgsRegisterInfo.from_zmq(frames[1:]))
+        self._register_decode_peer(frames[1:])
     else:
         self._store_transfer_info(TransferInfo.from_zmq(frames[1:]))
 
 
-def _register_decode_peer(self, peer: KVArgsRegisterInfo) -> None:
-    name = peer.agent_name
-    was_known = name in self.decode_kv_args_table
+def _register_decode_peer(self, frames: list[bytes]) -> None:
     try:
-        self._add_remote_peer(peer)
-    except Exception:
-        if not was_known:
-            # Half-registered, the peer's next registration would be ignored as a duplicate.
-            self.decode_kv_args_table.pop(name, None)
+        name = bytes(frames[3]).decode("ascii")
+    except (IndexError, UnicodeDecodeError):
+        name = None
+    try:
+        peer = KVArgsRegisterInfo.from_zmq(frames)
+        name = peer.agent_name
+        was_known = name in self.decode_kv_args_table
+        try:
+            self._add_remote_peer(peer)
+        except Exception:
+            if not was_known:
+                # Half-registered, the peer's next registration would be ignored as a duplicate.
+                self.decode_kv_args_table.pop(name, None)
+            raise
+    except Exception as e:
+        if name is not None and name not in self.decode_kv_args_table:
+            self._record_failed_registration(name, e)
         raise
+    cleared = self.__dict__.get("failed_decode_registrations", {}).pop(name, None)
+    if cleared is not None:
+        logger.info("Decode peer %s registered; its earlier failure (%s) is cleared", name, cleared)
     logger.debug("Registered KVArgs of decode peer %s", name)
 
 
 def _store_transfer_info(self, info: TransferInfo) -> None:
     room = info.room
+    refusal = self._transfer_info_refusal(info)
+    if refusal is not None:
+        # Never stored: the room must not become ready, and its decode hears why at once.
+        self._refuse_room(room, refusal, (info.endpoint, info.dst_port))
+        return
     infos = self.transfer_infos.setdefault(room, {})
     infos[info.agent_name] = info
     logger.debug(
@@ -398,11 +671,21 @@ def _handle_node_failure(self, failed_bootstrap_addr: str):
             f"{failed_bootstrap_addr})"
         )
         failed = sum(self._fail_live_room(room, reason) for room in rooms)
-        # Forget the prefill as the common handling would, so it is not probed and failed again.
+        # Forget the prefill as the common handling would, so it is not probed and failed again,
+        # and drop its cached rank endpoints: a restarted prefill gets fresh ones and this
+        # decode's registration again.
         with self.connection_lock:
             self.prefill_info_table.pop(failed_bootstrap_addr, None)
             self.addr_to_rooms_tracker.pop(failed_bootstrap_addr, None)
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)
+            stale = [k for k in self.connection_pool if k.startswith(f"{failed_bootstrap_addr}_")]
+            cached = [info for k in stale for info in self.connection_pool.pop(k)]
+        for info in cached:
+            try:
+                address = NetworkAddress(info["rank_ip"], int(info["rank_port"]))
+                CommonKVReceiver.disconnect_endpoint(address.to_tcp())
+            except Exception:
+                pass  # an endpoint that does not parse was never connected
         logger.error(
             "Handling the loss of prefill %s raised %s: %s; failed its %d live room(s) "
             "directly, the heartbeat thread goes on",
@@ -429,7 +712,12 @@ FIX = Fix(
         "after request: the cascade that wedged production. Decode's listener thread has no "
         "guard at all (a STAGING_REQ that fails to parse ends it, and rooms wait out the waiting "
         "timeout), and decode's heartbeat checker calls _handle_node_failure outside its guard, "
-        "so one exception there ends prefill failure detection for good."
+        "so one exception there ends prefill failure detection for good. Failures also stopped "
+        "at the prefill: a room failed there left its decode waiting 300 s, a transfer info for "
+        "a failed room was stored silently, the decode behind a malformed message was never "
+        "told, a refused decode registration let the peer's rooms go ready and fail only at the "
+        "transfer, a raising metric ended the thread, a broken socket was never replaced, and "
+        "the heartbeat fallback kept a lost prefill's cached endpoints."
     ),
     how=(
         "Both control threads run one supervised loop that handles each message in its own try. "
@@ -445,7 +733,14 @@ FIX = Fix(
         "Audited: transfer_worker already isolates each chunk (no change); decode listener "
         "(fixed); heartbeat checker (NixlKVManager._handle_node_failure isolates the failure "
         "handling and fails the tracked rooms itself if it raises); bootstrap server and "
-        "prefill-recompute pool isolate per request (no change)."
+        "prefill-recompute pool isolate per request (no change). A prefill room turning Failed "
+        "tells its decode ranks with the reason (not on the decode's own ABORT); failed rooms are "
+        "remembered (4,096 rooms, 10 min) so a late transfer info is answered Failed, not stored; "
+        "a malformed transfer info is answered to the endpoint it names; a refused registration "
+        "is recorded per peer (ERROR once per cause) and fails each of its rooms until it "
+        "registers again; the metric and the death path cannot raise; a socket failing twice "
+        "with nothing received is re-bound on its port; the heartbeat fallback drops the lost "
+        "prefill's cached endpoints; control_thread_health() reports liveness and last death."
     ),
     upstream=(
         "not upstream; PR #30352 (ABORT handled in this thread) and PR #34692 (bootstrap "
@@ -460,6 +755,7 @@ FIX = Fix(
         f"{_MANAGER}._start_bootstrap_thread",
         f"{_MANAGER}._start_decode_listener_thread",
         f"{_MANAGER}._handle_node_failure",
+        f"{_MANAGER}.update_status",
     ),
     replaces=(
         Replace(f"{_MANAGER}._start_bootstrap_thread", _start_bootstrap_thread, "(self)"),
@@ -484,6 +780,25 @@ FIX = Fix(
         Add(_MANAGER, _store_transfer_info),
         Add(_MANAGER, _handle_decode_control_message),
         Add(_MANAGER, _handle_node_failure),
+        Add(_CONN, _decode_endpoint_of_message),
+        Add(_MANAGER, _control_thread_state),
+        Add(_MANAGER, control_thread_health),
+        Add(_MANAGER, _rebind_control_socket),
+        Add(_MANAGER, _refuse_room),
+        Add(_MANAGER, _remember_failed_room),
+        Add(_MANAGER, _recall_failed_room),
+        Add(_MANAGER, update_status),
+        Add(_MANAGER, _on_room_opened),
+        Add(_MANAGER, _on_room_failed),
+        Add(_MANAGER, _record_failed_registration),
+        Add(_MANAGER, _transfer_info_refusal),
     ),
-    imports={_CONN: ("import zmq",)},
+    imports={
+        _CONN: (
+            "import errno",
+            "import zmq",
+            "from collections import OrderedDict",
+            "from sglang.srt.utils.network import NetworkAddress, config_socket",
+        )
+    },
 )
