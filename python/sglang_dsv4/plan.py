@@ -321,9 +321,7 @@ def build_chain(
         if mtp:
             draft_config = ModelConfig.from_server_args(server_args, is_draft_model=True)
             draft_kvc = _kv_cache_configurator(server_args, draft_config, is_draft_worker=True)
-    return Chain(
-        index_k_dtype, server_args, model_config, kvc, configurator, draft_kvc, gpu_mib
-    )
+    return Chain(index_k_dtype, server_args, model_config, kvc, configurator, draft_kvc, gpu_mib)
 
 
 def size_for_budget(chain: Chain, kv_bytes: int):
@@ -783,16 +781,23 @@ SWEEP_AXES = {
     "max_running_requests": (None, 16, 64, 512, 1024),  # None: upstream's default (256)
     "mtp": (False, True),
 }
+SWEEP_CATEGORICAL = ("disaggregation_mode", "index_k_dtype")
 
 
 def sweep_cells(sample: int | None = 160, seed: int = 0) -> list[dict]:
-    """The grid's corners (every combination of each axis's ends), plus `sample` cells drawn
-    from the rest (all of it when `sample` is None)."""
+    """The grid's corners (every combination of each numeric axis's ends, with every role and
+    dtype), plus `sample` cells drawn from the rest (all of it when `sample` is None)."""
     names = list(SWEEP_AXES)
-    every = [dict(zip(names, values)) for values in itertools.product(*SWEEP_AXES.values())]
+    every = [
+        dict(zip(names, values, strict=True)) for values in itertools.product(*SWEEP_AXES.values())
+    ]
 
     def is_corner(cell):
-        return all(cell[n] in (SWEEP_AXES[n][0], SWEEP_AXES[n][-1]) for n in names)
+        # Numeric axes at their ends; the categorical ones (role, dtype) at every value.
+        return all(
+            cell[n] in (SWEEP_AXES[n][0], SWEEP_AXES[n][-1]) or n in SWEEP_CATEGORICAL
+            for n in names
+        )
 
     corners = [cell for cell in every if is_corner(cell)]
     rest = [cell for cell in every if not is_corner(cell)]
