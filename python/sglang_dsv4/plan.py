@@ -1106,7 +1106,10 @@ def _where_each_gib_goes(p: dict):
         )
     table.add_row("KV budget", _gib(p["kv_memory_bytes"]), style="bold")
     table.add_row("  KV pools allocated", _gib(p["allocated_bytes"]))
-    table.add_row("  left unallocated (< one page of every pool)", _gib(p["unallocated_bytes"]))
+    table.add_row(
+        f"  left unallocated ({p['unallocated_bytes']:,} B, < one page of every pool)",
+        _gib(p["unallocated_bytes"]),
+    )
     table.add_row(
         "request-to-token table (beside the pools; upstream does not price it)",
         _gib(p["req_to_token_bytes"]),
