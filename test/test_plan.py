@@ -216,6 +216,7 @@ def test_plan_table_shows_what_the_json_carries(capsys):
             "a local folder with config.json, not a hub id",
         ),
         (["--model", "{llama}"], "not a DeepSeek-V4 model (architectures: LlamaForCausalLM)"),
+        (["--model", "{v4}"], "no model.safetensors.index.json to read the weights' size"),
         (
             ["--kv-memory-gib", "0.1"],
             "is too small for the pools of this model (they need at least",
@@ -232,7 +233,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, message):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    args = [a.format(tmp=tmp_path, llama=llama) for a in args]
+    v4 = tmp_path / "v4"  # a DeepSeek-V4 config without its checkpoint index
+    v4.mkdir()
+    (v4 / "config.json").write_text((plan_module.default_model_dir() / "config.json").read_text())
+    args = [a.format(tmp=tmp_path, llama=llama, v4=v4) for a in args]
     rc, out, err = run_plan(capsys, *args)
     assert rc == 2
     assert out == ""
