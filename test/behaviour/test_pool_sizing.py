@@ -1,5 +1,6 @@
 """Sizing equals allocation: what DSV4PoolConfigurator charges per full token is what the real
-DeepSeekV4TokenToKVPool allocates per full token, for every index-K dtype.
+DeepSeekV4TokenToKVPool allocates per full token, for every index-K dtype; and for a byte budget the
+pools it sizes take at most the budget and leave less than one more page of every pool unused.
 
 Real upstream chain and pools on the CPU (test/support/dsv4.py); the marginal bytes per full token
 are measured from the storages of the pools' tensors at two capacities the configurator itself
@@ -15,7 +16,10 @@ from support.dsv4 import (
     activated,
     build_chain,
     build_pool,
+    build_pools,
     index_k_dtype_in_force,
+    one_more_page_bytes,
+    size_for_budget,
     size_for_tokens,
     storage_bytes,
 )
@@ -87,3 +91,30 @@ def test_fp4_variable_without_the_flag_stops_sizing():
     with activated(chain), index_k_dtype_in_force("fp4"):
         with pytest.raises(ValueError, match="pass --enable-deepseek-v4-fp4-indexer"):
             create_memory_pool_configurator(chain.kvc)
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_gib, chain_kwargs",
+    [
+        ("fp8", 40, {}),  # the default plan: upstream allocated 11,416,128 B more than this
+        ("bf16", 40, {}),
+        ("fp4", 8, {}),
+        ("bf16", 13, {"disaggregation_mode": "prefill", "tp": 8}),
+        # Few requests on a decode server: upstream adds 2 x requests of pre-allocation slots.
+        ("fp8", 20, {"max_running_requests": 16}),
+        # MTP: the draft worker's own pool comes out of the same budget.
+        ("bf16", 30, {"mtp": True}),
+    ],
+)
+def test_pools_take_at_most_the_budget_and_leave_less_than_one_page(dtype, kv_gib, chain_kwargs):
+    chain = build_chain(dtype, **chain_kwargs)
+    budget = kv_gib * GIB
+    config = size_for_budget(chain, budget)
+    target, draft, _ = build_pools(chain, config, device="meta")
+    assert (draft is not None) == bool(chain_kwargs.get("mtp"))
+    allocated = storage_bytes(target, draft)
+    assert allocated <= budget, f"{allocated - budget:,} B over the budget"
+    assert budget - allocated < one_more_page_bytes(chain, config)
