@@ -272,8 +272,12 @@ class Sanitizer:
     @staticmethod
     def poison(ledger: PageLedger, pages: list[int]) -> None:
         for buffer in page_buffers(ledger.kvcache):
-            index = torch.tensor(pages, dtype=torch.int64, device=buffer.device)
-            buffer.index_fill_(0, index, POISON_BYTE)
+            if buffer.is_cuda:  # one kernel per buffer
+                index = torch.tensor(pages, dtype=torch.int64, device=buffer.device)
+                buffer.index_fill_(0, index, POISON_BYTE)
+            else:  # contiguous page rows: a fill each is the cheapest on the host
+                for page in pages:
+                    buffer[page].fill_(POISON_BYTE)
 
     # --- request rows ----------------------------------------------------------------------------
 
@@ -393,29 +397,43 @@ class Sanitizer:
                     owners = sorted(r for r, p in self.row_pages.items() if page in p)
                     note("foreign_page", page, f"a page of row {row}", f"page of rows {owners}")
             allowed = set(row_pages)
-            for slot in chosen[i][chosen[i] >= 0].tolist():
-                page = slot // slots_per_page
-                if page not in allowed:
+            picked = chosen[i][chosen[i] >= 0]
+            inside = torch.isin(picked // slots_per_page, torch.tensor(row_pages or [-1]))
+            for slot in picked[~inside].tolist():
+                note(
+                    "foreign_page",
+                    slot // slots_per_page,
+                    f"a slot in pages {sorted(allowed)[:8]}",
+                    "top-k picked a slot outside the row",
+                    slot,
+                )
+            picked = picked[inside]
+            if tokens is not None and len(picked):
+                poisoned = (tokens[picked.to(tokens.device)] == POISON_BYTE).all(dim=1).cpu()
+                for slot in picked[poisoned].tolist():
                     note(
-                        "foreign_page",
-                        page,
-                        f"a slot in pages {sorted(allowed)[:8]}",
-                        "top-k picked a slot outside the row",
+                        "use_after_free",
+                        slot // slots_per_page,
+                        "written key bytes",
+                        "poison (freed page)",
                         slot,
                     )
-                elif tokens is not None and bool((tokens[slot] == POISON_BYTE).all()):
-                    note("use_after_free", page, "written key bytes", "poison (freed page)", slot)
-                elif marks is not None and page < len(ledger.generation):
-                    wrote = int(marks[slot]) if slot < len(marks) else 0
-                    now = int(ledger.generation[page])
-                    if wrote != now:
-                        note(
-                            "unwritten_read",
-                            page,
-                            f"written in page generation {now}",
-                            f"last written in generation {wrote}",
-                            slot,
-                        )
+                picked = picked[~poisoned]
+            if marks is not None and len(picked):
+                picked = picked[picked < len(marks)]
+                now = ledger.generation[picked // slots_per_page]
+                wrote = marks[picked]
+                stale = wrote != now
+                for slot, w, g in zip(
+                    picked[stale].tolist(), wrote[stale].tolist(), now[stale].tolist(), strict=True
+                ):
+                    note(
+                        "unwritten_read",
+                        slot // slots_per_page,
+                        f"written in page generation {g}",
+                        f"last written in generation {w}",
+                        slot,
+                    )
             for (kind, what), (page, slot, expected, count) in found.items():
                 more = f" (and {count - 1} more)" if count > 1 else ""
                 self.report(
@@ -548,17 +566,18 @@ class Sanitizer:
 def page_checksums(pool, pages) -> torch.Tensor:
     """int64 digests [buffers, pages] of the c4 index-K and c4 KV pages (page_buffers order).
 
-    Position-weighted sum of the page's bytes mod 2^61-1 (a Fletcher-like digest: a changed byte
-    or two swapped bytes change it), computed where the pool lives.
+    Fletcher-like over 32-bit words: a position-weighted sum plus a plain sum, so a changed byte
+    or two swapped words change it; computed where the pool lives (int64 cannot overflow: words
+    < 2^32, weights and counts < 2^14 for a page row of up to 64 KiB).
     """
     buffers = page_buffers(pool)
     index = torch.as_tensor(pages).reshape(-1).to(torch.int64)
     out = torch.empty((len(buffers), len(index)), dtype=torch.int64)
     for i, buffer in enumerate(buffers):
-        rows = buffer.index_select(0, index.to(buffer.device)).to(torch.int64)
-        weights = torch.arange(1, rows.shape[1] + 1, dtype=torch.int64, device=rows.device)
-        digest = (rows * weights).sum(dim=1) % (2**61 - 1) + rows.sum(dim=1) * (2**20)
-        out[i] = digest.cpu()
+        rows = buffer.index_select(0, index.to(buffer.device))
+        words = rows.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        weights = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=words.device)
+        out[i] = ((words * weights).sum(dim=1) ^ (words.sum(dim=1) << 20)).cpu()
     return out
 
 
