@@ -241,6 +241,52 @@ def test_perturbed_kernel_result_is_shadow_mismatch(server):
     assert kinds(server.san) == {"shadow_mismatch": 1}
 
 
+def test_sampled_decode_step_hook_checks_the_read_and_shadows_one_request(server):
+    """The indexer hook's adapter on one decode step. Stand-ins only for the attention backend and
+    forward batch (built on a GPU); their fields are the ones upstream's metadata holds."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    row = server.start(4096)  # 1024 c4 positions: the kernel keeps 512
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, HEADS, DIM, generator=gen).to(torch.bfloat16)  # compute_q_bf16's output
+    weights = torch.rand(1, HEADS, generator=gen)
+    keys = server.pool.get_index_k_bf16_buffer(server.layer)
+    table = server.page_table([row]).to(torch.int32)
+    lens = torch.tensor([1024], dtype=torch.int32)
+    logits = bf16_paged_mqa_logits(q.unsqueeze(1), keys, weights, lens, table, 1024)
+
+    def step(positions):
+        slots = table[0].to(torch.int64)[positions // C4_PER_PAGE] * C4_PER_PAGE
+        selected = (slots + positions % C4_PER_PAGE).reshape(1, -1)
+        metadata = SimpleNamespace(
+            indexer_metadata=SimpleNamespace(
+                page_table=table, compressed_seq_lens=lens, compressed_page_size=C4_PER_PAGE
+            ),
+            core_metadata=SimpleNamespace(c4_sparse_page_indices=selected),
+        )
+        backend = SimpleNamespace(
+            token_to_kv_pool=server.pool, page_size=PAGE, forward_metadata=metadata
+        )
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            req_pool_indices=torch.tensor([row]),
+            seq_lens=torch.tensor([4096]),
+            req_to_token_pool=server.rows,
+        )
+        server.san._sampled_batch = id(batch)
+        server.san._query[server.layer] = (q, weights)
+        indexer = SimpleNamespace(layer_id=server.layer)
+        sanitizer._check_indexer_read(server.san, backend, indexer, batch)
+
+    step(torch.topk(logits[0], 512).indices)
+    assert kinds(server.san) == {}
+    step(torch.topk(logits[0], 1024).indices[256:768])  # a kernel that kept the wrong half
+    assert kinds(server.san) == {"shadow_mismatch": 1}
+    assert server.san.violations[0].found.startswith("0.500")
+
+
 def test_over_commit_at_start_up(pool):
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import get_dsv4_indexer_bytes_per_token
 
