@@ -241,6 +241,29 @@ def test_perturbed_kernel_result_is_shadow_mismatch(server):
     assert kinds(server.san) == {"shadow_mismatch": 1}
 
 
+def test_perturbed_fp8_kernel_result_is_shadow_mismatch():
+    """fp8 keys in upstream's page layout, scored by upstream's fp8 torch reference."""
+    from sgl_kernel_dsv4.index_reference import pack_fp8_index_pages, quantize_index_fp8
+    from sglang.srt.layers.attention.dsv4.indexer import fp8_paged_mqa_logits_torch_sm120
+
+    gen = torch.Generator().manual_seed(11)
+    keys = pack_fp8_index_pages(*quantize_index_fp8(torch.randn(768, DIM, generator=gen)))
+    table = torch.randperm(keys.shape[0], generator=gen).to(torch.int32)
+    q = torch.randn(1, 1, HEADS, DIM, generator=gen).to(torch.float8_e4m3fn)
+    weights = torch.rand(1, HEADS, generator=gen)
+    lens = torch.tensor([700], dtype=torch.int32)
+    logits = fp8_paged_mqa_logits_torch_sm120(
+        q, keys, weights, lens, table.reshape(1, -1), None, 700, clean_logits=False
+    )[0, :700]
+    san = Sanitizer()
+    kernel = torch.topk(logits, 512).indices
+    assert san.shadow_check("fp8", 2, 1, q, keys, weights, 700, table, kernel) == 1.0
+    wrong = torch.topk(logits, 700).indices[100:612]  # drops 100 of the true top 512
+    agree = san.shadow_check("fp8", 2, 1, q, keys, weights, 700, table, wrong)
+    assert agree == pytest.approx(412 / 512)
+    assert kinds(san) == {"shadow_mismatch": 1}
+
+
 def test_sampled_decode_step_hook_checks_the_read_and_shadows_one_request(server):
     """The indexer hook's adapter on one decode step. Stand-ins only for the attention backend and
     forward batch (built on a GPU); their fields are the ones upstream's metadata holds."""

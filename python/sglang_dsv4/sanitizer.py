@@ -475,11 +475,11 @@ class Sanitizer:
         page_table_row,
         kernel_topk_positions,
         topk: int = 512,
-        **fp8_args,
     ) -> float:
         """Recompute one row's indexer logits with the torch reference, compare top-k sets.
 
-        q: [1, 1, H, D], keys: the pool's paged key view, weights: [1, H], page_table_row: [pages],
+        q: [1, 1, H, D] (bf16, or e4m3 for fp8), keys: the pool's paged view ([pages, 64, 1, 128]
+        bf16, or [pages, 64, 1, 132] uint8 for fp8), weights: [1, H], page_table_row: [pages],
         kernel_topk_positions: the kernel's selected positions (token indices < seq_len, -1 unused).
         Returns the agreement (share of the reference top-k the kernel also picked).
         """
@@ -495,7 +495,7 @@ class Sanitizer:
             )
 
             logits = fp8_paged_mqa_logits_torch_sm120(
-                q, keys, weights, lens, table, None, seq_len, **fp8_args
+                q, keys, weights, lens, table, None, seq_len, clean_logits=False
             )
         k = min(topk, seq_len)
         reference = set(torch.topk(logits[0, :seq_len], k).indices.tolist())
