@@ -15,6 +15,8 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
     `use_after_free`; freed pages are poisoned with 0xFF bytes in every pool buffer paged by the
     full page id (c4 index-K rows, c4 KV rows). 0xFF is NaN in bf16, fp8 e4m3, fp32 scales and
     ue8m0 scales alike. Cost: one index_fill per buffer per free (21 + 21 for V4-Flash).
+  - clear (after): a flush takes every page back; the ledger follows. SWATokenToKVPoolAllocator
+    (after __init__): its full-page allocator is tied to the DeepSeek-V4 pool it serves.
   - ReqToTokenPool.alloc / write / free_rows (after): which rows (requests) hold which pages; a
     row given a page that is not live is `use_after_free`. Prefix sharing is allowed: holding is
     what the row was written, not who allocated.
@@ -39,10 +41,12 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
   stores must not exceed what DSV4PoolConfigurator priced (`over_commit`).
   PD transfer: page_checksums() digests index-K and c4 KV pages per (layer, page) on the prefill
   side; verify_page_checksums() on the decode side names each changed page (`pd_checksum`).
-  Upstream's own checksum (--disaggregation-enable-kv-checksum, disaggregation/checksum.py) is one
-  adler32 digest per request over every registered buffer, CUDA-only, and skips the DeepSeek-V4
-  compressed states (state_indices_for_request returns None for its pool); these per-page digests
-  add the location.
+  Not hooked into the transfer yet: the digests need a carrier from prefill to decode. Upstream's
+  own (--disaggregation-enable-kv-checksum, disaggregation/checksum.py) is one adler32 digest per
+  request in slot 0 of an 8-wide metadata row (slots 2-7 unused), CUDA-only; and for this pool
+  it cannot run: kv_args lists the pool's 85 compressed-state buffers while
+  state_indices_for_request returns None for DeepSeekV4TokenToKVPool, so
+  KvChecksumComputer.compute fails its `state_indices_gpu is not None` assertion.
 
 A violation: one ERROR line "sanitizer violation kind=... request=... layer=... page=... slot=...
 expected=... found=...", sglang:dsv4_sanitizer_violations_total{kind} += 1, and with
@@ -212,15 +216,26 @@ class Sanitizer:
 
     # --- allocator -------------------------------------------------------------------------------
 
-    def track(self, allocator) -> PageLedger:
+    def track(self, allocator, kvcache=None) -> PageLedger:
+        """The allocator's ledger; `kvcache` names its DeepSeek-V4 pool when the allocator does
+        not (the full-pool allocator inside SWATokenToKVPoolAllocator has no pool of its own)."""
         ledger = self.ledgers.get(allocator)
         if ledger is None:
-            kvcache = getattr(allocator, "_kvcache", None)
-            ledger = PageLedger(allocator.num_pages, allocator.page_size, kvcache)
+            ledger = PageLedger(allocator.num_pages, allocator.page_size, None)
             self.ledgers[allocator] = ledger
-            if kvcache is not None:
-                self.pool_ledgers[kvcache] = ledger
+        kvcache = kvcache if kvcache is not None else getattr(allocator, "_kvcache", None)
+        if ledger.kvcache is None and hasattr(kvcache, "index_pools"):
+            ledger.kvcache = kvcache
+            self.pool_ledgers[kvcache] = ledger
         return ledger
+
+    def on_clear(self, allocator) -> None:
+        """The allocator took every page back at once (flush): all free, nothing held."""
+        ledger = self.track(allocator)
+        ledger.live.zero_()
+        ledger.generation += 1
+        for held in self.row_pages.values():
+            held.clear()
 
     def on_alloc(self, allocator, out_indices, continuing=None) -> None:
         """Pages of `out_indices` become live; `continuing` slots name pages already held (the
@@ -322,8 +337,9 @@ class Sanitizer:
             self.row_request.pop(row, None)
 
     def _ledger_with(self, page: int) -> PageLedger | None:
+        """The ledger of the DeepSeek-V4 full pool (the page ids request rows hold)."""
         for ledger in self.ledgers.values():
-            if page < len(ledger.live):
+            if ledger.kvcache is not None and page < len(ledger.live):
                 return ledger
         return None
 
@@ -584,6 +600,7 @@ def page_checksums(pool, pages) -> torch.Tensor:
 # --- hooks: installed by the plugin when SGLANG_DSV4_SANITIZE=1 --------------------------------
 
 _ALLOCATOR = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+_SWA_ALLOCATOR = "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
 _REQ_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 _TOKEN_POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
 _INDEXER_BACKEND = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin"
@@ -649,6 +666,14 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
     def after_req_alloc(result, self, reqs):
         _guarded(san.on_rows)(reqs, result)
 
+    def after_clear(result, self):
+        _guarded(san.on_clear)(self)
+
+    def after_swa_allocator(result, self, *args, **kwargs):
+        full = getattr(self, "full_attn_allocator", None)
+        if hasattr(full, "num_pages"):  # paged: DeepSeek-V4's full pages live here
+            _guarded(san.track)(full, self._kvcache)
+
     def after_req_write(result, self, indices, values):
         ledger = next(iter(san.ledgers.values()), None)
         if ledger is not None:
@@ -700,6 +725,8 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
         (f"{_ALLOCATOR}.alloc_extend", after_alloc_extend, "AFTER"),
         (f"{_ALLOCATOR}.alloc_decode", after_alloc_decode, "AFTER"),
         (f"{_ALLOCATOR}._release_page_ids", before_release, "BEFORE"),
+        (f"{_ALLOCATOR}.clear", after_clear, "AFTER"),
+        (f"{_SWA_ALLOCATOR}.__init__", after_swa_allocator, "AFTER"),
         (f"{_REQ_POOL}.alloc", after_req_alloc, "AFTER"),
         (f"{_REQ_POOL}.write", after_req_write, "AFTER"),
         (f"{_REQ_POOL}.free_rows", after_req_free_rows, "AFTER"),
