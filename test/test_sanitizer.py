@@ -400,6 +400,21 @@ def test_off_installs_nothing():
     assert sanitizer.describe()["summary"] == "off (0 hooks)"
 
 
+def test_a_hook_that_does_not_take_stops_the_process_with_one_line(monkeypatch):
+    from sglang_dsv4.plugin import Refusal
+
+    target = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_gone"
+    monkeypatch.setattr(sanitizer, "_hooks", lambda san: [(target, lambda *a: None, "AFTER")])
+    conf = settings.from_environ({"SGLANG_DSV4_SANITIZE": "1"})
+    with pytest.raises(Refusal) as err:
+        sanitizer.install_from_settings(conf)
+    assert (
+        err.value.code
+        == f"sglang-dsv4: refusing to run: sanitizer hook {target}: not found upstream"
+    )
+    assert sanitizer.SANITIZER is None and sanitizer.INSTALLED == []
+
+
 CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, "test")
