@@ -57,8 +57,6 @@ class Server:
         self.san.track(self.alloc)
         self.layer = c4_layers(pool)[0]
         self.lens: dict[int, int] = {}
-        for buffer in sanitizer.page_buffers(pool):
-            buffer.zero_()
 
     def start(self, tokens: int, written: int | None = None, req=None) -> int:
         """A request of `tokens` tokens: a row, pages, its row written, and keys for its first
@@ -196,14 +194,27 @@ def test_unwritten_slot_selected_is_unwritten_read(server):
     assert server.read([row], picks=[[10, 200]]) == 1
     (v,) = server.san.violations
     assert (v.kind, v.layer) == ("unwritten_read", server.layer)
-    assert v.slot == int(server.c4_slots(row, [200])[0])
+    assert v.slot == int(server.c4_slots(row, [200])[0]) and v.found == "poison (never written)"
+
+
+def test_stale_slot_of_a_reused_page_is_unwritten_read(server):
+    """A page freed and handed to the next request: the slot the old owner wrote and the new
+    one did not is caught, whatever the new owner's writer would have been."""
+    old = server.start(300)
+    server.finish(old)
+    new = server.start(300, written=10)  # the same pages again; only 10 keys written
+    assert server.read([new], picks=[[5, 40]]) == 1
+    (v,) = server.san.violations
+    assert v.kind == "unwritten_read"
+    assert v.found == "poison (never written, last stored in page generation 1)"
+    assert "generation 2" in v.expected
 
 
 def test_corrupted_byte_in_transferred_page_is_pd_checksum(pool):
     prefill, decode = Server(pool), Server(small_pool("bf16")[1])
     row = prefill.start(600)
     src = prefill.rows.req_to_token[row, :600:PAGE].to(torch.int64) // PAGE
-    dst = torch.tensor([7, 3, 11])  # decode's own pages for the request
+    dst = torch.tensor([7, 3, 11])  # decode's own pages for the request (poisoned: never used)
     expected = page_checksums(prefill.pool, src)
     for s_buf, d_buf in zip(
         sanitizer.page_buffers(prefill.pool), sanitizer.page_buffers(decode.pool), strict=True

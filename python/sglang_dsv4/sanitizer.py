@@ -20,16 +20,20 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
   - ReqToTokenPool.alloc / write / free_rows (after): which rows (requests) hold which pages; a
     row given a page that is not live is `use_after_free`. Prefix sharing is allowed: holding is
     what the row was written, not who allocated.
+  Start-up: when the allocator is tied to its DeepSeek-V4 pool, every page but the padding page 0
+    is poisoned once, so a slot nothing ever wrote is poison too.
   Index-K writes (set_index_k_bf16, set_index_k_fused, set_index_k_fp4 of the token pool, after):
-    each written c4 slot records the generation of its page. Layers whose keys are written by a
-    fused kernel that bypasses these setters are never judged by the read-before-write check.
+    each written c4 slot records its page's generation; a violation line quotes it. The verdict
+    itself rests on poison, which every writer (these setters, a PD transfer, a HiCache load)
+    overwrites: generation marks alone would call every transferred page unwritten.
   Indexer read (C4IndexerBackendMixin.forward_c4_indexer[_bf16], after), on sampled decode steps
   only (SGLANG_DSV4_SANITIZE_SAMPLE, default 0.01); a sampled step runs eagerly (the decode CUDA
   graph runner's can_run_graph says no for it), so nothing runs inside a captured region:
   - each row's page-table pages must be live (`use_after_free`) and held by the row's request
     (`foreign_page`);
-  - each top-k selected slot must lie in the row's pages (`foreign_page`), hold no poison
-    (`use_after_free`), and have been written since its page was allocated (`unwritten_read`);
+  - each top-k selected slot must lie in the row's pages (`foreign_page`) and hold no poison:
+    poison in a freed page is `use_after_free`, in a live one `unwritten_read` (not written since
+    its page was allocated);
   - shadow check (bf16 pools): one request's indexer logits recomputed with the torch reference
     (sgl_kernel_dsv4.bf16_paged_mqa_logits_torch) from the pool's bytes; the kernel's top-k must
     share at least SHADOW_MIN_AGREEMENT of the reference top-k (`shadow_mismatch`). The fp8
@@ -227,6 +231,9 @@ class Sanitizer:
         if ledger.kvcache is None and hasattr(kvcache, "index_pools"):
             ledger.kvcache = kvcache
             self.pool_ledgers[kvcache] = ledger
+            # Every page starts poisoned (page 0, the padding page dummy rows use, excepted), so
+            # a slot read before anything wrote it is seen even on a page never used before.
+            self.poison(ledger, list(range(1, allocator.num_pages + 1)))
         return ledger
 
     def on_clear(self, allocator) -> None:
@@ -425,29 +432,24 @@ class Sanitizer:
                 )
             picked = picked[inside]
             if tokens is not None and len(picked):
+                # Poison marks bytes nothing wrote since the page was freed (or since start-up),
+                # whoever the writer would be (setter, PD transfer, HiCache load).
                 poisoned = (tokens[picked.to(tokens.device)] == POISON_BYTE).all(dim=1).cpu()
                 for slot in picked[poisoned].tolist():
-                    note(
-                        "use_after_free",
-                        slot // slots_per_page,
-                        "written key bytes",
-                        "poison (freed page)",
-                        slot,
-                    )
-                picked = picked[~poisoned]
-            if marks is not None and len(picked):
-                picked = picked[picked < len(marks)]
-                now = ledger.generation[picked // slots_per_page]
-                wrote = marks[picked]
-                stale = wrote != now
-                for slot, w, g in zip(
-                    picked[stale].tolist(), wrote[stale].tolist(), now[stale].tolist(), strict=True
-                ):
+                    page = slot // slots_per_page
+                    if not ledger.live[page]:
+                        note(
+                            "use_after_free", page, "written key bytes", "poison (freed page)", slot
+                        )
+                        continue
+                    now = int(ledger.generation[page])
+                    wrote = int(marks[slot]) if marks is not None and slot < len(marks) else 0
+                    history = f", last stored in page generation {wrote}" if wrote else ""
                     note(
                         "unwritten_read",
-                        slot // slots_per_page,
-                        f"written in page generation {g}",
-                        f"last written in generation {w}",
+                        page,
+                        f"a key written since the page was allocated (generation {now})",
+                        f"poison (never written{history})",
                         slot,
                     )
             for (kind, what), (page, slot, expected, count) in found.items():
