@@ -255,18 +255,17 @@ class Sanitizer:
         if not new:
             return
         ledger.grow_to(max(new))
-        for page in new:
-            if ledger.live[page]:
-                rows = sorted(r for r, pages in self.row_pages.items() if page in pages)
-                self.report(
-                    Violation(
-                        "double_owner",
-                        page=page,
-                        expected="a free page",
-                        found=f"page still live (held by rows {rows})",
-                    ),
-                    row=rows[0] if rows else None,
-                )
+        for page in torch.tensor(new)[ledger.live[new]].tolist():
+            rows = sorted(r for r, pages in self.row_pages.items() if page in pages)
+            self.report(
+                Violation(
+                    "double_owner",
+                    page=page,
+                    expected="a free page",
+                    found=f"page still live (held by rows {rows})",
+                ),
+                row=rows[0] if rows else None,
+            )
         ledger.live[new] = True
         ledger.generation[new] += 1
 
@@ -276,16 +275,15 @@ class Sanitizer:
         if not pages:
             return
         ledger.grow_to(max(pages))
-        for page in pages:
-            if not ledger.live[page]:
-                self.report(
-                    Violation(
-                        "use_after_free",
-                        page=page,
-                        expected="a live page",
-                        found="page freed again (already free)",
-                    )
+        for page in torch.tensor(pages)[~ledger.live[pages]].tolist():
+            self.report(
+                Violation(
+                    "use_after_free",
+                    page=page,
+                    expected="a live page",
+                    found="page freed again (already free)",
                 )
+            )
         ledger.live[pages] = False
         for held in self.row_pages.values():
             held.difference_update(pages)
