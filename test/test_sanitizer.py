@@ -457,6 +457,9 @@ alloc.free(slots)
 alloc.free(slots)  # double free
 (row,) = rows.alloc_rows(1)
 rows.write((row, slice(0, 256)), slots.to(torch.int32))  # a row given a freed page
+from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+decode_rows = DecodeReqToTokenPool(4, 4096, "cpu", False, pre_alloc_size=0)
+decode_rows.write((1, slice(0, 256)), slots.to(torch.int32))  # the same on a PD decode
 live = alloc.alloc(256)
 alloc.free_pages = torch.cat((live[:1] // 256, alloc.free_pages))
 alloc.alloc(256)  # the live page handed out again
@@ -488,9 +491,9 @@ def test_hooks_in_a_server_process_catch_faults():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT ") :])
-    assert out["status"]["on"] and out["status"]["hooks"] >= 16
+    assert out["status"]["on"] and out["status"]["hooks"] == 22
     assert out["status"]["summary"].endswith("sample 0.5, action abort)")
     assert out["clean"] == {}
-    assert out["faults"] == {"use_after_free": 2, "double_owner": 1}
+    assert out["faults"] == {"use_after_free": 3, "double_owner": 1}
     assert out["poisoned"]
     assert "sanitizer violation kind=double_owner" in proc.stderr

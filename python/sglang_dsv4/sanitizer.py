@@ -17,8 +17,9 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
     ue8m0 scales alike. Cost: one index_fill per buffer per free (21 + 21 for V4-Flash).
   - clear (after): a flush takes every page back; the ledger follows. SWATokenToKVPoolAllocator
     (after __init__): its full-page allocator is tied to the DeepSeek-V4 pool it serves.
-  - ReqToTokenPool.alloc / write / free_rows (after): which rows (requests) hold which pages; a
-    row given a page that is not live is `use_after_free`. Prefix sharing is allowed: holding is
+  - ReqToTokenPool.alloc / write / free_rows and a PD decode's DecodeReqToTokenPool.alloc / write
+    / free: which rows (requests) hold which pages; a row given a page that is not live is
+    `use_after_free`. Prefix sharing is allowed: holding is
     what the row was written, not who allocated.
   Start-up: when the allocator is tied to its DeepSeek-V4 pool, every page but the padding page 0
     is poisoned once, so a slot nothing ever wrote is poison too.
@@ -209,8 +210,11 @@ class Sanitizer:
 
     def abort(self, row: int, violation: Violation) -> None:
         req = self._req(row)
-        if req is None or getattr(req, "to_finish", None) is not None:
+        if req is None:
+            logger.error("sanitizer: cannot abort row %d: no live request is known for it", row)
             return
+        if getattr(req, "to_finish", None) is not None:
+            return  # already on its way out
         req.set_finish_with_abort(
             f"DeepSeek-V4 sanitizer: {violation.kind} at layer {violation.layer} page "
             f"{violation.page}; the request's KV cannot be trusted",
@@ -602,6 +606,8 @@ def page_checksums(pool, pages) -> torch.Tensor:
 _ALLOCATOR = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
 _SWA_ALLOCATOR = "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
 _REQ_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+# A PD decode server's request table: its own class, not a ReqToTokenPool.
+_DECODE_REQ_POOL = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool"
 _TOKEN_POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
 _INDEXER_BACKEND = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin"
 _C4_INDEXER = "sglang.srt.layers.attention.dsv4.indexer.C4Indexer"
@@ -682,6 +688,9 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
     def after_req_free_rows(result, self, indices):
         _guarded(san.on_rows_freed)(indices)
 
+    def before_decode_req_free(self, req):
+        _guarded(san.on_rows_freed)([req.kv.req_pool_idx])
+
     def after_index_k_write(result, self, layer_id, loc, *args, **kwargs):
         _guarded(san.on_index_k_write)(self, layer_id, loc)
 
@@ -730,6 +739,9 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
         (f"{_REQ_POOL}.alloc", after_req_alloc, "AFTER"),
         (f"{_REQ_POOL}.write", after_req_write, "AFTER"),
         (f"{_REQ_POOL}.free_rows", after_req_free_rows, "AFTER"),
+        (f"{_DECODE_REQ_POOL}.alloc", after_req_alloc, "AFTER"),
+        (f"{_DECODE_REQ_POOL}.write", after_req_write, "AFTER"),
+        (f"{_DECODE_REQ_POOL}.free", before_decode_req_free, "BEFORE"),
         (f"{_TOKEN_POOL}.set_index_k_fused", after_index_k_write, "AFTER"),
         (f"{_TOKEN_POOL}.set_index_k_fp4", after_index_k_write, "AFTER"),
         (f"{_INDEXER_BACKEND}.forward_c4_indexer", after_indexer, "AFTER"),
