@@ -106,19 +106,22 @@ class Violation:
         )
 
 
+_COUNTER = None  # the process's Prometheus counter, created on first use
+
+
 def _violation_counter():
-    """The process's Prometheus counter, created on first use (None without prometheus_client)."""
-    counter = globals().get("_COUNTER")
-    if counter is None:
+    """sglang:dsv4_sanitizer_violations_total{kind}, created on first use (in every scheduler
+    process, so upstream's multiprocess collector adds them up)."""
+    global _COUNTER
+    if _COUNTER is None:
         from prometheus_client import Counter
 
-        counter = Counter(
+        _COUNTER = Counter(
             METRIC_NAME,
             "DeepSeek-V4 KV / index-K sanitizer violations (SGLANG_DSV4_SANITIZE=1), by kind.",
             labelnames=["kind"],
         )
-        globals()["_COUNTER"] = counter
-    return counter
+    return _COUNTER
 
 
 def _pages(indices, page_size: int) -> list[int]:
@@ -612,7 +615,9 @@ _TOKEN_POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVP
 _INDEXER_BACKEND = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin"
 _C4_INDEXER = "sglang.srt.layers.attention.dsv4.indexer.C4Indexer"
 _BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
-
+_DECODE_GRAPH_RUNNER = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+)
 _CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator"
 
 SANITIZER: Sanitizer | None = None  # this process's sanitizer, when installed
@@ -746,7 +751,7 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
         (f"{_TOKEN_POOL}.set_index_k_fp4", after_index_k_write, "AFTER"),
         (f"{_INDEXER_BACKEND}.forward_c4_indexer", after_indexer, "AFTER"),
         (f"{_BACKEND}.init_forward_metadata", after_metadata, "AFTER"),
-        (f"{_graph_runner_target()}.can_run_graph", around_can_run_graph, "AROUND"),
+        (f"{_DECODE_GRAPH_RUNNER}.can_run_graph", around_can_run_graph, "AROUND"),
         (f"{_CONFIGURATOR}.__init__", after_configurator, "AFTER"),
         (f"{_TOKEN_POOL}.__init__", after_token_pool, "AFTER"),
     ]
@@ -758,10 +763,6 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
     if original(f"{_C4_INDEXER}.compute_q_bf16") is not None:
         hooks.append((f"{_C4_INDEXER}.compute_q_bf16", after_q_bf16, "AFTER"))
     return hooks
-
-
-def _graph_runner_target() -> str:
-    return "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 
 
 def _check_indexer_read(san: Sanitizer, backend, c4_indexer, forward_batch) -> None:
