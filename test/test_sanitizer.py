@@ -470,6 +470,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh process loads upstream and the plugin: about 15 s
 def test_hooks_in_a_server_process_catch_faults():
     env = {
         **os.environ,
