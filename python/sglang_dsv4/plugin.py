@@ -193,6 +193,9 @@ def load() -> None:
             else ""
         )
         raise Refusal(f"fix {fid}: {reason}{more}")
+    from sglang_dsv4 import sanitizer  # SGLANG_DSV4_SANITIZE=1 only; off installs nothing
+
+    sanitizer.install_from_settings(conf)
     logger.info(
         "sglang-dsv4: %d fix(es) applied, index-K dtype %s",
         sum(st.applied for st in STATE.values()),

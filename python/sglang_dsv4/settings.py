@@ -3,6 +3,9 @@
 - SGLANG_DSV4_INDEX_K_DTYPE   fp8 (default, upstream's numerics) | bf16 | fp4
 - SGLANG_DSV4_ALLOW_UNPINNED  1: run on an upstream version other than the pin, with a warning
 - SGLANG_DSV4_SKIP_FIXES      comma-separated fix ids not to apply (reported as "skipped")
+- SGLANG_DSV4_SANITIZE        1: install the KV / index-K sanitizer (default 0: nothing installed)
+- SGLANG_DSV4_SANITIZE_SAMPLE share of decode steps read-checked, 0..1 (default 0.01)
+- SGLANG_DSV4_SANITIZE_ACTION log (default) | abort: also fail the request a violation names
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from sglang_dsv4.fixes.index_k_bf16 import (
 
 ALLOW_UNPINNED_ENV = "SGLANG_DSV4_ALLOW_UNPINNED"
 SKIP_FIXES_ENV = "SGLANG_DSV4_SKIP_FIXES"
+SANITIZE_ENV = "SGLANG_DSV4_SANITIZE"
+SANITIZE_SAMPLE_ENV = "SGLANG_DSV4_SANITIZE_SAMPLE"
+SANITIZE_ACTION_ENV = "SGLANG_DSV4_SANITIZE_ACTION"
+SANITIZE_ACTIONS = ("log", "abort")
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -31,6 +38,9 @@ class Settings:
     index_k_dtype: str
     allow_unpinned: bool
     skip_fixes: frozenset[str]
+    sanitize: bool = False
+    sanitize_sample: float = 0.01
+    sanitize_action: str = "log"
 
 
 def parse_index_k_dtype(value: str | None) -> str:
@@ -41,12 +51,38 @@ def parse_index_k_dtype(value: str | None) -> str:
         raise SettingsError(str(exc)) from None
 
 
+def parse_sanitize(environ) -> tuple[bool, float, str]:
+    """(on, sample, action) of the sanitizer variables; one clear line on a bad value."""
+    raw = environ.get(SANITIZE_ENV, "").strip().lower()
+    if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise SettingsError(f"{SANITIZE_ENV}={raw!r} is not supported; allowed: 0, 1")
+    sample_raw = environ.get(SANITIZE_SAMPLE_ENV, "").strip() or "0.01"
+    try:
+        sample = float(sample_raw)
+    except ValueError:
+        sample = -1.0
+    if not 0.0 <= sample <= 1.0:
+        raise SettingsError(
+            f"{SANITIZE_SAMPLE_ENV}={sample_raw!r} is not supported; allowed: a number from 0 to 1"
+        )
+    action = environ.get(SANITIZE_ACTION_ENV, "").strip().lower() or "log"
+    if action not in SANITIZE_ACTIONS:
+        raise SettingsError(
+            f"{SANITIZE_ACTION_ENV}={action!r} is not supported; allowed: log, abort"
+        )
+    return raw in _TRUE, sample, action
+
+
 def from_environ(environ: os._Environ | dict) -> Settings:
     skip = frozenset(s.strip() for s in environ.get(SKIP_FIXES_ENV, "").split(",") if s.strip())
+    sanitize, sample, action = parse_sanitize(environ)
     return Settings(
         index_k_dtype=parse_index_k_dtype(environ.get(INDEX_K_DTYPE_ENV)),
         allow_unpinned=environ.get(ALLOW_UNPINNED_ENV, "").strip().lower() in _TRUE,
         skip_fixes=skip,
+        sanitize=sanitize,
+        sanitize_sample=sample,
+        sanitize_action=action,
     )
 
 

@@ -31,7 +31,7 @@ def cuda_device() -> dict:
 def collect() -> dict:
     from sglang.srt.plugins import load_plugins
 
-    from sglang_dsv4 import UPSTREAM_PIN, __version__, plugin, settings
+    from sglang_dsv4 import UPSTREAM_PIN, __version__, plugin, sanitizer, settings
     from sglang_dsv4.fixes import FIXES
 
     refusal = None
@@ -72,6 +72,7 @@ def collect() -> dict:
         "index_k_dtype": dtype,
         "cuda_device": cuda_device(),
         "fixes": fixes,
+        "sanitizer": sanitizer.describe(),
     }
 
 
@@ -96,6 +97,7 @@ def render(report: dict) -> None:
     console.print(f"plugin            {'loaded' if report['plugin_loaded'] else 'NOT loaded'}")
     console.print(f"index-K dtype     {report['index_k_dtype']}")
     console.print(f"CUDA device       {dev['name']}{cc}")
+    console.print(f"sanitizer         {report['sanitizer']['summary']}")
     if report["refusal"]:
         console.print(f"[bold red]{report['refusal']}[/]")
     table = Table(show_lines=False)
