@@ -306,7 +306,10 @@ FIX = Fix(
         "index-k-bf16 is upstream with whole-page-only index rows in the host mirror (or a "
         "token-granular copy for index rows) and the index-K dtype in the PD KV layout."
     ),
-    tests=("test/behaviour/test_host_mirror.py", "test/behaviour/test_pd_index_k_agreement.py",),
+    tests=(
+        "test/behaviour/test_host_mirror.py",
+        "test/behaviour/test_pd_index_k_agreement.py",
+    ),
     targets=(
         f"{_ASSEMBLER}._dsv4_indexer_regions",
         f"{_HOST}.DeepSeekV4PagedHostPool",

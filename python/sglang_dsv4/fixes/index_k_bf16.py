@@ -568,7 +568,10 @@ FIX = Fix(
     ),
     upstream="not upstream",
     remove_when="upstream ships a bf16 (or otherwise lossless) index-K option for DeepSeek-V4.",
-    tests=("test/behaviour/test_index_k_pool.py", "test/behaviour/test_index_k_dispatch.py",),
+    tests=(
+        "test/behaviour/test_index_k_pool.py",
+        "test/behaviour/test_index_k_dispatch.py",
+    ),
     targets=(
         INDEXER_POOL,
         TOKEN_POOL,

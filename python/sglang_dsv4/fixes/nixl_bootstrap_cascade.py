@@ -750,7 +750,11 @@ FIX = Fix(
         "upstream's NIXL control threads isolate each message, fail waiting rooms when a thread "
         "dies, and restart it."
     ),
-    tests=("test/behaviour/test_nixl_bootstrap.py",),
+    tests=(
+        "test/behaviour/test_nixl_bootstrap.py",
+        "test/behaviour/test_pd_fail_fast.py",
+        "test/behaviour/test_pd_two_process.py",
+    ),
     targets=(
         f"{_MANAGER}._start_bootstrap_thread",
         f"{_MANAGER}._start_decode_listener_thread",
