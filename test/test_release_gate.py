@@ -259,9 +259,14 @@ def test_field_bar_upper_bound():
     assert f"{wilson(0, 11_187)[1]:.2g}" == "0.00034"
 
 
-def test_metrics_contract_matches_the_mock():
-    assert release_gate.SANITIZER_METRIC == mock_server.SANITIZER_METRIC
+def test_metrics_contract_matches_the_mock_and_the_servers():
+    from sglang_dsv4 import sanitizer
+    from sglang_dsv4.fixes import nixl_bootstrap_cascade
+
+    assert release_gate.SANITIZER_METRIC == mock_server.SANITIZER_METRIC == sanitizer.METRIC_NAME
+    assert mock_server.SANITIZER_KINDS == sanitizer.KINDS
     assert release_gate.NIXL_METRIC == mock_server.NIXL_METRIC
+    assert f'"{release_gate.NIXL_METRIC}"' in Path(nixl_bootstrap_cascade.__file__).read_text()
 
 
 def test_counter_increases_and_restarts():
