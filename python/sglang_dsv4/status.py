@@ -34,11 +34,14 @@ def collect() -> dict:
     from sglang.srt.plugins import load_plugins
 
     from sglang_dsv4 import UPSTREAM_PIN, __version__, plugin, settings
+    from sglang_dsv4.cli import step
     from sglang_dsv4.fixes import REGISTER
 
     refusal = None
     try:
+        step("sglang-dsv4 status: loading plugins")
         load_plugins()
+        step("sglang-dsv4 status: importing what each fix hooks, applying and checking it")
         if plugin.STATE:
             refusal = next(iter(plugin.settle(refuse=False)), None)
     except plugin.Refusal as exc:
