@@ -186,6 +186,29 @@ def test_fix_checked_when_a_scheduler_imports_its_target_stops_that_scheduler_lo
     assert "written for (sliding_window)" in refusals[0]
 
 
+def test_fix_failing_on_an_import_in_another_thread_stops_the_whole_process():
+    # SystemExit would end only that thread, quietly: the process must stop, with the line.
+    proc = run_py(
+        f"""
+        import sys, threading
+        sys.path.insert(0, {TEST_DIR!r})
+        from support import broken_fix
+        broken_fix.register()
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        def load_model():
+            import sglang.srt.mem_cache.deepseek_v4_memory_pool
+        worker = threading.Thread(target=load_model)
+        worker.start()
+        worker.join()
+        print("PROCESS WENT ON")
+        """
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "PROCESS WENT ON" not in proc.stdout
+    assert last_line(proc.stderr).startswith(REFUSAL + "fix deliberately-broken: target ")
+
+
 @pytest.mark.parametrize("fix", [f for f in FIXES if f.replaces], ids=lambda f: f.id)
 def test_real_fix_with_moved_target_stops_launch_server(fix):
     # Upstream "moves": the first target of a real fix gets a different signature before plugins load.

@@ -309,10 +309,10 @@ def _refuse(message: str) -> None:
 
 
 class _UpstreamImportWatch:
-    """A meta-path finder for `sglang` modules (and fix modules): when the outermost upstream import in a thread
-    has finished, it applies what became ready. It finds nothing itself; it asks the finders
-    after it and wraps the found loader's `exec_module` (on that loader instance only, so the
-    loader keeps its class)."""
+    """A meta-path finder for `sglang` modules (and fix modules): when the outermost of them
+    being imported in a thread has finished, it applies what became ready, so no upstream module
+    is half-initialised then. It finds nothing itself: it asks the finders after it and wraps the
+    found loader's `exec_module` (on that loader instance only, so the loader keeps its class)."""
 
     def __init__(self):
         # Fix modules count as well: one imported by other code (export, tests) imports upstream
