@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmark.arg_types import positive_float, positive_int, rate
+from benchmark.arg_types import DefaultsHelpFormatter, positive_float, positive_int, rate
 from benchmark.corruption import KINDS, ToolCall, check_response
 
 Z95 = 1.959964  # two-sided 95 % normal quantile
@@ -550,6 +550,7 @@ def print_report(report: dict, console: Console) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.dsml_soak",
+        formatter_class=DefaultsHelpFormatter,
         description="Concurrent multi-turn tool-calling sessions; every answer checked for DSML "
         "leaks, truncated markup, malformed tool calls and repetition loops.",
     )
@@ -557,8 +558,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--base-url", required=True, help="OpenAI-compatible server, e.g. http://router:8000"
     )
     parser.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
-    parser.add_argument("--sessions", type=positive_int, default=64)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+        help="default: $OPENAI_API_KEY, else EMPTY",
+    )
+    parser.add_argument(
+        "--sessions", type=positive_int, default=64, help="concurrent tool-using sessions"
+    )
     parser.add_argument(
         "--turns", type=positive_int, default=40, help="requests per session, at most"
     )
@@ -580,7 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixed",
         help="mixed: even-numbered sessions stream, odd ones do not",
     )
-    parser.add_argument("--max-tokens", type=positive_int, default=1024)
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=1024, help="output tokens per answer, at most"
+    )
     parser.add_argument("--temperature", type=float, default=None, help="default: the server's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request")

@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from benchmark.arg_types import DefaultsHelpFormatter
+
 ROLES = ("prefill", "decode", "router")
 
 
@@ -107,6 +109,7 @@ def check(role: str, url: str, model: str | None, timeout: float) -> Check:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.liveness",
+        formatter_class=DefaultsHelpFormatter,
         description="Health and one short generation per server of a PD deployment.",
     )
     for role in ROLES:

@@ -37,7 +37,7 @@ import prometheus_client
 from aiohttp import web
 
 from benchmark import dsml
-from benchmark.arg_types import rate, seconds
+from benchmark.arg_types import DefaultsHelpFormatter, rate, seconds
 from benchmark.corruption import KINDS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -472,6 +472,7 @@ def _error(status: int, message: str) -> web.Response:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.mock_server",
+        formatter_class=DefaultsHelpFormatter,
         description="OpenAI-compatible mock of a tool-using model on 127.0.0.1, with injected faults.",
     )
     parser.add_argument("--port", type=int, default=8123, help="0 picks a free port (default 8123)")
@@ -491,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stall-rate", type=rate, default=0.0, help="share held for --stall-seconds first"
     )
-    parser.add_argument("--stall-seconds", type=seconds, default=30.0)
+    parser.add_argument(
+        "--stall-seconds", type=seconds, default=30.0, help="how long an injected stall lasts"
+    )
     parser.add_argument("--ttft", type=seconds, default=0.0, help="seconds before the first token")
     parser.add_argument("--itl", type=seconds, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--unhealthy", action="store_true", help="answer /health with 503")

@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmark.arg_types import positive_int
+from benchmark.arg_types import DefaultsHelpFormatter, positive_int
 
 BENCH_MODULE = "sglang.benchmark.serving"
 
@@ -242,6 +242,7 @@ def load_report(path: str, what: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmark.throughput",
+        formatter_class=DefaultsHelpFormatter,
         description="Throughput at concurrency 1 and 32 through sglang.benchmark.serving.",
     )
     parser.add_argument("--base-url", help="server or router, e.g. http://router:8000")
@@ -249,13 +250,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer", help="tokenizer path or id (default: the server's /model_info)"
     )
-    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 32])
+    parser.add_argument(
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        default=[1, 32],
+        help="concurrent requests, one run each",
+    )
     parser.add_argument(
         "--num-prompts", type=positive_int, default=64, help="requests per concurrency"
     )
-    parser.add_argument("--input-len", type=positive_int, default=1024)
-    parser.add_argument("--output-len", type=positive_int, default=256)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--input-len", type=positive_int, default=1024, help="prompt tokens per request"
+    )
+    parser.add_argument(
+        "--output-len", type=positive_int, default=256, help="output tokens per request"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="seed of the random prompts")
     parser.add_argument(
         "--dataset",
         choices=("random", "random-ids"),
@@ -281,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-drop-percent",
         type=float,
         default=5.0,
-        help="flag a drop in output tok/s larger than this against --baseline (default 5)",
+        help="flag a drop in output tok/s larger than this against --baseline (default: %(default)s)",
     )
     parser.add_argument(
         "--run-timeout", type=float, default=3600.0, help="seconds one bench_serving run may take"

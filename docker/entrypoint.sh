@@ -26,7 +26,13 @@ prefill and decode
   HOST                    address to listen on (default 0.0.0.0)
   PORT                    HTTP port (default: prefill 30000, decode 30001)
   DISAGG_BOOTSTRAP_PORT   prefill only: NIXL bootstrap port (default 8998)
-  IB_DEVICE               RDMA devices for NIXL/UCX, e.g. mlx5_0 or mlx5_0,mlx5_1 (default: UCX picks)
+  IB_DEVICE               RDMA devices for NIXL/UCX, e.g. mlx5_0 or mlx5_0,mlx5_1, no port suffix
+                          (default: UCX picks)
+  UCX_NET_DEVICES         UCX's own device list, e.g. mlx5_0:1 (passed through; upstream then
+                          ignores IB_DEVICE, so setting both is refused)
+  SGLANG_HOST_IP          upstream's: the address this server advertises to its PD peers
+                          (passed through); set it on hosts with several NICs
+  SGLANG_LOCAL_IP_NIC     upstream's: advertise this NIC's address instead (needs netifaces)
   MEM_FRACTION            GPU memory fraction for weights and KV pools, in (0, 1] (default: upstream's)
   NCCL_PORT               port of the tensor-parallel group's rendezvous (default: a free port);
                           set distinct ones when prefill and decode share a host
@@ -40,6 +46,11 @@ prefill and decode
   SGLANG_DSV4_INDEX_K_DTYPE
                           index-K storage: bf16 (default here) | fp8 | fp4; prefill and decode
                           must use the same
+  SGLANG_DSV4_SKIP_FIXES  comma-separated fix ids to leave out (`status` lists the ids)
+
+Checked before anything starts (one line, exit 2): every variable above; SGLANG_DSV4_* as the
+plugin reads them; HICACHE_WRITE_POLICY, HICACHE_IO_BACKEND, HICACHE_MEM_LAYOUT against
+upstream's own choices (read from its ServerArgs parser).
 
 router
   PREFILL_URLS            required: comma-separated prefill URLs, e.g. http://10.0.0.1:30000;
@@ -143,6 +154,18 @@ probe_host() {
 	esac
 }
 
+# The distribution's variables (index-K dtype, fix ids to skip) as its plugin reads them, and
+# each NAME=--flag given whose variable is set against upstream's own choices for --flag (that
+# imports upstream's ServerArgs, seconds). One line and exit 2 instead of a server that refuses
+# minutes later.
+check_settings() { # [NAME=--flag ...]
+	local message
+	if ! message=$(SGLANG_DSV4_INDEX_K_DTYPE=${SGLANG_DSV4_INDEX_K_DTYPE:-bf16} \
+		"$PYTHON" -m sglang_dsv4.envcheck "$@" 2>&1); then
+		die "${message##*$'\n'}"
+	fi
+}
+
 server_command() { # MODE DEFAULT_PORT
 	local mode=$1 tp=${TP:-4} host=${HOST:-0.0.0.0} port=${PORT:-$2}
 	require MODEL_PATH "the model folder (or Hugging Face id) to serve"
@@ -161,12 +184,20 @@ server_command() { # MODE DEFAULT_PORT
 		check_port DISAGG_BOOTSTRAP_PORT "$bootstrap"
 		cmd+=(--disaggregation-bootstrap-port "$bootstrap")
 	fi
+	if [[ ${IB_DEVICE:-} == *:* ]]; then
+		die "IB_DEVICE takes HCA names without a port (mlx5_0, not mlx5_0:1): NIXL adds port 1; got '$IB_DEVICE'"
+	fi
+	if [[ -n ${IB_DEVICE:-} && -n ${UCX_NET_DEVICES:-} ]]; then
+		die "IB_DEVICE and UCX_NET_DEVICES are both set; upstream would ignore IB_DEVICE: set one"
+	fi
 	optional_flag IB_DEVICE --disaggregation-ib-device
 	optional_flag MEM_FRACTION --mem-fraction-static
 	optional_flag NCCL_PORT --nccl-port
 	optional_flag SERVED_MODEL_NAME --served-model-name
 	hicache_flags
 	append_extra_args
+	check_settings HICACHE_WRITE_POLICY=--hicache-write-policy \
+		HICACHE_IO_BACKEND=--hicache-io-backend HICACHE_MEM_LAYOUT=--hicache-mem-layout
 	health_url="http://$(probe_host "$host"):$port/health"
 }
 
@@ -215,6 +246,7 @@ router_command() {
 }
 
 dsv4_command() { # SUBCOMMAND
+	check_settings
 	cmd=(env "SGLANG_DSV4_INDEX_K_DTYPE=${SGLANG_DSV4_INDEX_K_DTYPE:-bf16}" "$PYTHON" -m sglang_dsv4 "$1")
 }
 

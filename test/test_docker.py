@@ -88,13 +88,18 @@ def tool(name: str) -> str:
 
 
 def run(script: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    # Only the variables a test names: the caller's MODEL_PATH or PORT must not leak in.
+    # Only the variables a test names: the caller's MODEL_PATH or PORT must not leak in. The
+    # entrypoint checks settings with `python3 -m sglang_dsv4.envcheck`: this interpreter's
+    # python3 first on PATH (and the tree under test), as in the image.
+    base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if os.environ.get("PYTHONPATH"):
+        base["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return subprocess.run(
         ["bash", str(script), *args],
-        env={"PATH": os.environ["PATH"], **(env or {})},
+        env={**base, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=240,  # a HICACHE_* choice check imports upstream's ServerArgs
     )
 
 
@@ -306,6 +311,41 @@ def test_a_missing_variable_stops_with_a_line_naming_it(role, env, missing):
 )
 def test_a_bad_value_stops_with_one_line(role, env, words):
     assert_one_line_error(run(ENTRYPOINT, role, "--dry-run", env=env), *words)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill", "status", "plan"])
+def test_an_index_k_dtype_the_plugin_refuses_stops_every_role_that_reads_it(role):
+    env = {"MODEL_PATH": "/m", DTYPE_ENV: "int4"}
+    assert_one_line_error(
+        run(ENTRYPOINT, role, "--dry-run", env=env),
+        f"sglang-dsv4 {role}: {DTYPE_ENV}='int4' is not supported; allowed: fp8, bf16, fp4",
+    )
+
+
+@pytest.mark.parametrize("role", ["decode", "status"])
+def test_an_unknown_fix_id_to_skip_stops_with_the_known_ids(role):
+    from sglang_dsv4.fixes import ids
+
+    env = {"MODEL_PATH": "/m", "SGLANG_DSV4_SKIP_FIXES": "index-k-bf16,bogus-id"}
+    result = run(ENTRYPOINT, role, "--dry-run", env=env)
+    assert_one_line_error(result, "SGLANG_DSV4_SKIP_FIXES names no fix 'bogus-id'", *ids())
+    # A known id passes.
+    env["SGLANG_DSV4_SKIP_FIXES"] = "index-k-bf16"
+    assert run(ENTRYPOINT, role, "--dry-run", env=env).returncode == 0
+
+
+def test_hicache_choices_are_checked_against_upstreams_parser():
+    from sglang.srt.server_args import ServerArgs
+
+    parser = StrictParser()
+    ServerArgs.add_cli_args(parser)
+    (policy,) = (a for a in parser._actions if "--hicache-write-policy" in a.option_strings)
+    env = {"MODEL_PATH": "/m", "ENABLE_HICACHE": "1", "HICACHE_WRITE_POLICY": "foo"}
+    assert_one_line_error(
+        run(ENTRYPOINT, "decode", "--dry-run", env=env),
+        "sglang-dsv4 decode: HICACHE_WRITE_POLICY='foo' is not one of upstream's choices for "
+        f"--hicache-write-policy: {', '.join(policy.choices)}",
+    )
 
 
 def test_no_role_is_one_line_and_help_lists_every_variable():
@@ -549,3 +589,103 @@ def test_the_runtime_stage_defaults_checks_and_runs_the_entrypoint():
         for w, a in runtime
     )
     assert "COPY --chmod=755 docker/entrypoint.sh /opt/sglang-dsv4/entrypoint.sh" in text
+
+
+# --- docker/README.md: the two-host deployment it shows --------------------------------------
+
+
+def readme_section(title: str) -> str:
+    text = (DOCKER / "README.md").read_text()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def shell_commands(section: str) -> list[list[str]]:
+    """Each command of the section's bash blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(words)
+    return commands
+
+
+def docker_run(words: list[str]) -> tuple[dict[str, str], str, list[str]]:
+    """(environment, role, docker options) of a `docker run ... IMAGE ROLE` command."""
+    assert words[:2] == ["docker", "run"], words
+    env, options, i = {}, [], 2
+    while words[i].startswith("-"):
+        if words[i] == "-e":
+            key, _, value = words[i + 1].partition("=")
+            env[key] = value
+        options.append(words[i])
+        takes_value = words[i] in {"-e", "-v", "--name", "--gpus", "--network", "--ipc"}
+        takes_value |= words[i] in {"--ulimit", "--device"}
+        if takes_value:
+            options.append(words[i + 1])
+        i += 2 if takes_value else 1
+    assert words[i] == "sglang-dsv4-sm120", words
+    return env, words[i + 1], options
+
+
+def test_two_host_commands_in_the_readme_render_and_agree(parse_server, parse_router):
+    commands = shell_commands(readme_section("Two hosts"))
+    runs = {}
+    for words in commands:
+        if words[:2] == ["docker", "run"]:
+            env, role, options = docker_run(words)
+            runs[role] = (env, options)
+    assert set(runs) == {"prefill", "decode", "router"}
+    address = {}
+    for role in ("prefill", "decode"):
+        env, options = runs[role]
+        # Host networking, the RDMA devices, and the advertised address set explicitly.
+        assert options[options.index("--network") + 1] == "host"
+        assert "/dev/infiniband" in options
+        args = parse_server(server_argv(dry_run(role, "--dry-run", env=env))[1])
+        assert args.tp_size == 4  # 4 RTX PRO 6000 per host
+        assert args.disaggregation_mode == role
+        address[role] = env["SGLANG_HOST_IP"]
+        port = args.port
+        address[f"{role}_url"] = f"http://{env['SGLANG_HOST_IP']}:{port}"
+    assert address["prefill"] != address["decode"]
+    env, options = runs["router"]
+    router = parse_router(router_argv(dry_run("router", "--dry-run", env=env)))
+    assert router.prefill_urls == [(address["prefill_url"], 8998)]
+    assert router.decode_urls == [address["decode_url"]]
+    # The liveness commands probe those hosts, not 127.0.0.1.
+    from benchmark.liveness import build_parser
+
+    (liveness,) = [w for w in commands if w[:3] == ["python", "-m", "benchmark.liveness"]]
+    probe = build_parser().parse_args(liveness[3:])
+    assert probe.prefill == [address["prefill_url"]]
+    assert probe.decode == [address["decode_url"]]
+    assert probe.router == [f"http://{address['prefill']}:{router.port}"]
+    curls = [w[-1] for w in commands if w[:2] == ["curl", "-fsS"]]
+    assert curls and not any("127.0.0.1" in url for url in curls)
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"IB_DEVICE": "mlx5_0:1"}, ["IB_DEVICE", "without a port", "mlx5_0:1"]),
+        ({"IB_DEVICE": "mlx5_0", "UCX_NET_DEVICES": "mlx5_0:1"}, ["UCX_NET_DEVICES", "IB_DEVICE"]),
+    ],
+)
+def test_rdma_device_settings_upstream_would_ignore_or_refuse_stop_at_once(env, words):
+    result = run(ENTRYPOINT, "prefill", "--dry-run", env={"MODEL_PATH": "/m", **env})
+    assert_one_line_error(result, *words)
+
+
+def test_advertising_a_nic_without_netifaces_stops_at_once():
+    import importlib.util
+
+    if importlib.util.find_spec("netifaces") is not None:
+        pytest.skip("netifaces is installed here: upstream can read SGLANG_LOCAL_IP_NIC")
+    result = run(
+        ENTRYPOINT, "decode", "--dry-run", env={"MODEL_PATH": "/m", "SGLANG_LOCAL_IP_NIC": "ib0"}
+    )
+    assert_one_line_error(result, "SGLANG_LOCAL_IP_NIC needs the netifaces package")

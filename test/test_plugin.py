@@ -37,15 +37,32 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+HEAVY = (
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool",
+    "sglang.srt.layers.attention.dsv4.indexer",
+    "sglang.srt.disaggregation.nixl.conn",
+    "sglang.srt.model_executor.pool_configurator",
+    "sglang_dsv4.fixes.index_k_bf16",
+)
+
+
 def test_upstream_loader_discovers_plugin_and_patches_every_target():
     proc = run_py(
-        """
+        f"""
         import json, sys
         from importlib.metadata import entry_points
         eps = [ep.value for ep in entry_points(group="sglang.srt.plugins") if ep.name == "dsv4_sm120"]
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from sglang_dsv4 import plugin
+        # Start-up imports no fix module and none of the upstream modules they hook.
+        heavy_after_load = [m for m in {HEAVY!r} if m in sys.modules]
+        after_load = {{k: v.status for k, v in plugin.STATE.items()}}
+        # Upstream importing a module applies the fixes (or their parts) it holds, at once.
+        import sglang.srt.mem_cache.deepseek_v4_memory_pool as pool
+        after_pool = {{k: v.status for k, v in plugin.STATE.items()}}
+        bf16_storage = pool.dsv4_index_k_bytes_per_token(128, "bf16")
+        plugin.settle()
         from sglang_dsv4.fixes import FIXES
         def stale_bindings():
             # Scan inside a function: a module-level loop variable would itself be a binding.
@@ -56,22 +73,33 @@ def test_upstream_loader_discovers_plugin_and_patches_every_target():
                     original = getattr(current, "__wrapped__", None)
                     # No module may keep a `from X import Y` binding of the original.
                     for name, mod in list(sys.modules.items()):
-                        for attr, value in list(getattr(mod, "__dict__", {}).items()):
+                        for attr, value in list(getattr(mod, "__dict__", {{}}).items()):
                             if original is not None and value is original:
-                                found.append(f"{name}.{attr}")
+                                found.append(f"{{name}}.{{attr}}")
             return found
         stale = stale_bindings()
-        print(json.dumps({
+        print(json.dumps({{
             "eps": eps,
-            "state": {k: v.status for k, v in plugin.STATE.items()},
-            "verify": {f.id: plugin.verify(f) for f in FIXES if f.implemented},
+            "heavy_after_load": heavy_after_load,
+            "after_load": after_load,
+            "after_pool": after_pool,
+            "bf16_storage": bf16_storage,
+            "state": {{k: v.status for k, v in plugin.STATE.items()}},
+            "verify": {{f.id: plugin.verify(f) for f in FIXES if f.implemented}},
             "stale": stale,
-        }))
+        }}))
         """
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(last_line(proc.stdout))
     assert out["eps"] == ["sglang_dsv4.plugin:load"]
+    assert out["heavy_after_load"] == []
+    assert set(out["after_load"].values()) == {"pending"}
+    # The transfer gate lives in the pool module alone; index-k-bf16 also waits for the backend.
+    assert out["after_pool"]["index-k-transfer-gate"] == "applied"
+    assert out["after_pool"]["index-k-bf16"] == "pending"
+    assert out["after_pool"]["nixl-bootstrap-cascade"] == "pending"
+    assert out["bf16_storage"] == 256
     assert set(out["state"]) == {f.id for f in FIXES}
     for fix in FIXES:
         expected = "applied" if fix.implemented else "declared, not implemented"
@@ -80,32 +108,41 @@ def test_upstream_loader_discovers_plugin_and_patches_every_target():
     assert out["stale"] == []
 
 
+def test_register_names_every_fix_module_and_the_upstream_modules_of_its_targets():
+    # The plugin reads REGISTER without importing fix modules; it must say what FIX says.
+    from sglang_dsv4.fixes import REGISTER
+
+    assert [entry.id for entry in REGISTER] == [fix.id for fix in FIXES]
+    for entry, fix in zip(REGISTER, FIXES, strict=True):
+        assert entry.load() is fix
+        assert entry.implemented == fix.implemented
+        holding = {
+            max((m for m in entry.upstream_modules if t.startswith(m + ".")), key=len, default=None)
+            for t in fix.hooked_targets
+        }
+        assert None not in holding, (fix.id, "a target in no listed module")
+        assert holding == set(entry.upstream_modules), (fix.id, "a listed module holds no target")
+
+
 BROKEN_TARGET_LAUNCH = """
     import runpy, sys
-    import sglang_dsv4.fixes as fixes
-    from sglang_dsv4.register import Fix, Replace
     {prepare}
     sys.argv = ["sglang.launch_server", "--model-path", "/nonexistent-model"]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
     print("SERVER START WAS NOT STOPPED")
 """
 
+TEST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)))
+
 
 def test_fix_written_for_another_signature_stops_launch_server():
-    # A fix whose target is a real upstream function, written for a different parameter list:
-    # exactly what a bumped upstream looks like to an unchanged fix.
-    prepare = """
-    def get_dsv4_indexer_bytes_per_token(index_head_dim):
-        return 0
-    broken = Fix(
-        id="deliberately-broken", title="t", area="test", why="w", how="h",
-        upstream="not upstream", remove_when="never",
-        targets=("sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token",),
-        replaces=(Replace(
-            "sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token",
-            get_dsv4_indexer_bytes_per_token, "(index_head_dim)"),),
-    )
-    fixes.FIXES = fixes.FIXES + (broken,)
+    # The target's module is imported before plugins load (as in a scheduler process that
+    # unpickled its arguments): the plugin checks the fix inside load_plugins().
+    prepare = f"""
+    sys.path.insert(0, {TEST_DIR!r})
+    from support import broken_fix
+    broken_fix.register()
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool
     """
     proc = run_py(
         BROKEN_TARGET_LAUNCH.format(prepare=textwrap.indent(textwrap.dedent(prepare), "    "))
@@ -114,10 +151,62 @@ def test_fix_written_for_another_signature_stops_launch_server():
     assert "SERVER START WAS NOT STOPPED" not in proc.stdout
     line = last_line(proc.stderr)
     assert line.startswith(REFUSAL + "fix deliberately-broken: target "), line
-    assert (
-        "get_dsv4_indexer_bytes_per_token: signature is (index_head_dim, use_fp4_indexer)" in line
+    assert "get_swa_ring_size: signature is (sliding_window, is_speculative=False)" in line
+    assert "written for (sliding_window)" in line
+
+
+def test_fix_checked_when_a_scheduler_imports_its_target_stops_that_scheduler_loudly():
+    # A scheduler process loads plugins first and imports the model's modules later: the broken
+    # fix refuses at that import. Upstream's launcher waits on the scheduler's pipe with its own
+    # `_wait_for_scheduler_ready`, and reports the dead scheduler; the refusal line is the
+    # scheduler's last word on stderr. (The scheduler is a stand-in: no GPU here to start one.)
+    proc = run_py(
+        f"""
+        import multiprocessing, sys
+        sys.path.insert(0, {TEST_DIR!r})
+        from support import broken_fix
+        from sglang.srt.entrypoints.engine import _wait_for_scheduler_ready
+        ctx = multiprocessing.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=broken_fix.scheduler, args=(writer,))
+        child.start()
+        writer.close()
+        try:
+            _wait_for_scheduler_ready([reader], [child])
+            print("SCHEDULER READY")
+        except RuntimeError as exc:
+            print("LAUNCHER:", exc)
+        """
     )
-    assert "written for (index_head_dim)" in line
+    assert "SCHEDULER READY" not in proc.stdout, proc.stdout
+    assert "LAUNCHER: Rank 0 scheduler died during initialization (exit code: 1)" in proc.stdout
+    refusals = [ln for ln in proc.stderr.splitlines() if ln.startswith(REFUSAL)]
+    assert len(refusals) == 1, proc.stderr[-3000:]
+    assert refusals[0].startswith(REFUSAL + "fix deliberately-broken: target "), refusals[0]
+    assert "written for (sliding_window)" in refusals[0]
+
+
+def test_fix_failing_on_an_import_in_another_thread_stops_the_whole_process():
+    # SystemExit would end only that thread, quietly: the process must stop, with the line.
+    proc = run_py(
+        f"""
+        import sys, threading
+        sys.path.insert(0, {TEST_DIR!r})
+        from support import broken_fix
+        broken_fix.register()
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        def load_model():
+            import sglang.srt.mem_cache.deepseek_v4_memory_pool
+        worker = threading.Thread(target=load_model)
+        worker.start()
+        worker.join()
+        print("PROCESS WENT ON")
+        """
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "PROCESS WENT ON" not in proc.stdout
+    assert last_line(proc.stderr).startswith(REFUSAL + "fix deliberately-broken: target ")
 
 
 @pytest.mark.parametrize("fix", [f for f in FIXES if f.replaces], ids=lambda f: f.id)
@@ -196,6 +285,9 @@ def test_status_json_lists_the_five_changes():
         [PY, "-m", "sglang_dsv4", "status", "--json"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # Upstream's import-time noise stays out of the command line (a server keeps it).
+    for noise in ("support AWQ", "support GGUF", "Cannot detect CUDA architecture"):
+        assert noise not in proc.stderr, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     ids = [f["id"] for f in report["fixes"]]
     assert ids == [

@@ -1,13 +1,21 @@
 """`sglang-dsv4`: the distribution's command line.
 
 Each sub-command lives in its own module with `add_arguments(parser)` and `run(args) -> int`.
+Commands import upstream, which takes seconds: on a terminal a spinner on stderr says what runs
+(a command may name its current step with `step(...)`); with --json, or without a terminal,
+nothing but the command's own output is written. Upstream's import-time noise (quantization
+UserWarnings about other platforms, "Cannot detect CUDA architecture.") is silenced here, in the
+command line only; a server keeps it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import sys
+import warnings
 
 from sglang_dsv4 import UPSTREAM_PIN, __version__
 
@@ -21,6 +29,54 @@ COMMANDS = {
         "fix by fix on another upstream tree: needed, already upstream, or broken",
     ),
 }
+
+_progress = None  # (rich Progress, task id) while a command runs on a terminal
+
+
+def step(text: str) -> None:
+    """Name what the running command does now (shown only on a terminal)."""
+    if _progress is not None:
+        progress, task = _progress
+        progress.update(task, description=text)
+
+
+@contextlib.contextmanager
+def progress(command: str, quiet: bool):
+    """A transient spinner on stderr while `command` runs, when stderr is a terminal."""
+    global _progress
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(file=sys.stderr)
+    # Output printed meanwhile goes above the spinner only when stdout is that terminal too;
+    # redirected, it must reach its file untouched.
+    to_terminal = sys.stdout.isatty()
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        redirect_stdout=to_terminal,
+        redirect_stderr=False,
+    )
+    with bar:
+        _progress = (bar, bar.add_task(f"sglang-dsv4 {command}: importing upstream sglang"))
+        try:
+            yield
+        finally:
+            _progress = None
+
+
+def quiet_upstream_imports() -> None:
+    """Silence what upstream prints while its modules import on a machine like this one."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
+    # Upstream's GPU-probing modules log warnings (no handler configured: Python's last resort
+    # prints them); its errors still show.
+    logging.getLogger("sglang").setLevel(logging.ERROR)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return importlib.import_module(args._module).run(args)
+    quiet_upstream_imports()
+    with progress(args.command, quiet=getattr(args, "json", False)):
+        return importlib.import_module(args._module).run(args)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,41 @@
 """The general plugin upstream's `load_plugins()` runs in every SGLang process.
 
 Upstream catches and logs every `Exception` a plugin or a hook raises, then serves unpatched.
-`SystemExit` is not an `Exception`, so raising `Refusal` (a `SystemExit`) from the plugin stops
-the process: `python -m sglang.launch_server` calls `load_plugins()` before parsing its arguments,
-and every scheduler / detokenizer process calls it first thing. To check the hooks inside the
-plugin call, the plugin applies them itself (`HookRegistry.apply_hooks()` is idempotent), then
-verifies every target of every implemented fix.
+`SystemExit` is not an `Exception`, so raising `Refusal` (a `SystemExit`) stops the process:
+`python -m sglang.launch_server` calls `load_plugins()` before parsing its arguments, and every
+scheduler / detokenizer process calls it first thing.
+
+Start-up cost: `load()` checks the pin and the settings and imports no fix and no upstream module
+a fix hooks (those take seconds and hundreds of MB, and `launch_server --help` or a router needs
+none of them). It reads the register's names (`sglang_dsv4.fixes.REGISTER`) and watches the
+import of each upstream module holding a target. Once upstream imports such a module (and the
+import that pulled it in has finished, so no upstream module is half-initialised), the fix module
+is imported and the targets in that module are prechecked, registered with upstream's
+HookRegistry, applied and verified. A failure there refuses as at start-up, at the latest when
+the target's module is first imported: in a scheduler that is the refusal line on its stderr and
+upstream's launcher reporting the dead scheduler. Targets whose module is already imported when
+the plugin loads are handled inside `load()`. `settle()` imports everything and applies every fix
+at once (`sglang-dsv4 status`).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import pkgutil
-from dataclasses import dataclass
+import sys
+import threading
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from sglang_dsv4 import UPSTREAM_PIN, settings
-from sglang_dsv4.register import Fix, parameters_of
+from sglang_dsv4.register import parameters_of
 
 logger = logging.getLogger("sglang_dsv4")
 
 APPLIED = "applied"
+PENDING = "pending"
 DECLARED = "declared, not implemented"
 FAILED = "failed"
 SKIPPED = "skipped"
@@ -96,77 +111,283 @@ def _cell(cell):
         return None
 
 
-def _precheck(fix: Fix) -> str | None:
-    """Why the fix cannot be registered on this upstream tree, or None."""
-    for rep in fix.replaces:
-        try:
-            _, _, original = resolve(rep.target)
-        except (ImportError, AttributeError, ValueError) as exc:
-            return f"target {rep.target}: cannot import its owner ({exc})"
-        if original is None:
-            return f"target {rep.target}: not found upstream"
-        found = parameters_of(original)
-        if found != rep.signature:
-            return f"target {rep.target}: signature is {found}, the fix was written for {rep.signature}"
-    for add in fix.adds:
-        try:
-            owner, name, existing = resolve(add.target)
-        except (ImportError, AttributeError, ValueError) as exc:
-            return f"target {add.target}: cannot import its owner ({exc})"
-        if existing is not None and existing is not add.func:
-            return f"target {add.target}: upstream now defines it; is the fix upstream?"
+# --- one target: check, install, verify ---------------------------------------------------------
+
+
+def _check_replace(rep) -> str | None:
+    """Why the replacement cannot be installed on this upstream tree, or None."""
+    try:
+        _, _, original = resolve(rep.target)
+    except (ImportError, AttributeError, ValueError) as exc:
+        return f"target {rep.target}: cannot import its owner ({exc})"
+    if original is None:
+        return f"target {rep.target}: not found upstream"
+    found = parameters_of(original)
+    if found != rep.signature:
+        return f"target {rep.target}: signature is {found}, the fix was written for {rep.signature}"
     return None
 
 
-def _register(fix: Fix) -> None:
+def _check_add(add) -> str | None:
+    try:
+        _, _, existing = resolve(add.target)
+    except (ImportError, AttributeError, ValueError) as exc:
+        return f"target {add.target}: cannot import its owner ({exc})"
+    if existing is not None and existing is not add.func:
+        return f"target {add.target}: upstream now defines it; is the fix upstream?"
+    return None
+
+
+def _verify_replace(rep) -> str | None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    try:
+        _, _, current = resolve(rep.target)
+    except (ImportError, AttributeError, ValueError) as exc:
+        return f"target {rep.target}: {exc}"
+    if rep.target not in HookRegistry._patched or not _installs(current, rep.func):
+        return f"target {rep.target}: not patched (upstream's HookRegistry logged why)"
+    return None
+
+
+def _verify_add(add) -> str | None:
+    try:
+        _, _, current = resolve(add.target)
+    except (ImportError, AttributeError, ValueError) as exc:
+        return f"target {add.target}: {exc}"
+    return None if current is add.func else f"target {add.target}: not added"
+
+
+def verify(fix) -> str | None:
+    """Why the fix is not in force in this process, or None (imports every target's owner)."""
+    for rep in fix.replaces:
+        if reason := _verify_replace(rep):
+            return reason
+    for add in fix.adds:
+        if reason := _verify_add(add):
+            return reason
+    return None
+
+
+def _install(replaces, adds) -> str | None:
+    """Check, install and verify these targets (their modules are imported); why not, or None."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for rep in fix.replaces:
+    for reason in (*map(_check_replace, replaces), *map(_check_add, adds)):
+        if reason:
+            return reason
+    for rep in replaces:
         HookRegistry.register(rep.target, rep.func, HookType.REPLACE)
-    for add in fix.adds:
+    for add in adds:
         owner, name, _ = resolve(add.target)
         setattr(owner, name, add.func)
-
-
-def verify(fix: Fix) -> str | None:
-    """Why the fix is not in force in this process, or None."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    for rep in fix.replaces:
-        try:
-            _, _, current = resolve(rep.target)
-        except (ImportError, AttributeError, ValueError) as exc:
-            return f"target {rep.target}: {exc}"
-        if rep.target not in HookRegistry._patched or not _installs(current, rep.func):
-            return f"target {rep.target}: not patched (upstream's HookRegistry logged why)"
-    for add in fix.adds:
-        _, _, current = resolve(add.target)
-        if current is not add.func:
-            return f"target {add.target}: not added"
+    if replaces:
+        HookRegistry.apply_hooks()
+    for reason in (*map(_verify_replace, replaces), *map(_verify_add, adds)):
+        if reason:
+            return reason
     return None
 
 
-def apply_fixes(fixes, conf: settings.Settings) -> dict[str, FixState]:
-    """Register, apply and verify `fixes`; returns their states (does not raise)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
+# --- one fix: its targets by upstream module ---------------------------------------------------
 
-    states: dict[str, FixState] = {}
-    pending = []
-    for fix in fixes:
-        if fix.id in conf.skip_fixes:
-            states[fix.id] = FixState(SKIPPED, f"{settings.SKIP_FIXES_ENV} names it")
-        elif not fix.implemented:
-            states[fix.id] = FixState(DECLARED)
-        elif reason := _precheck(fix):
-            states[fix.id] = FixState(FAILED, reason)
-        else:
-            _register(fix)
-            pending.append(fix)
-    HookRegistry.apply_hooks()
-    for fix in pending:
-        reason = verify(fix)
-        states[fix.id] = FixState(FAILED, reason) if reason else FixState(APPLIED)
-    return states
+
+@dataclass
+class _Watched:
+    """A fix being applied module by module as upstream imports them."""
+
+    entry: object  # sglang_dsv4.fixes.Entry
+    fix: object = None  # its Fix, once the fix module is imported
+    done: set[str] = field(default_factory=set)  # upstream modules whose targets are in force
+
+    def waiting_for(self) -> list[str]:
+        return [m for m in self.entry.upstream_modules if m not in self.done]
+
+
+_watched: dict[str, _Watched] = {}  # fix id -> progress, for fixes not yet applied in full
+_lock = threading.RLock()
+_local = threading.local()  # per thread: depth of upstream imports, and whether applying
+
+
+def _imported(module: str) -> bool:
+    """Whether `module` is imported and has finished executing."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        return False
+    # importlib clears `_initializing` only after the loader returns: the module whose
+    # exec_module just returned (see `_counting`) is complete although still marked.
+    return module == getattr(_local, "executed", None) or not getattr(
+        getattr(mod, "__spec__", None), "_initializing", False
+    )
+
+
+def _module_of(target: str, modules) -> str | None:
+    """The register module that holds `target` (the longest that is a prefix of it)."""
+    owners = [m for m in modules if target.startswith(m + ".")]
+    return max(owners, key=len) if owners else None
+
+
+def _advance(watched: _Watched) -> str | None:
+    """Apply the targets of one fix whose modules are imported now; why it failed, or None."""
+    entry = watched.entry
+    if watched.fix is None:
+        try:
+            watched.fix = entry.load()
+        except Exception as exc:  # a fix module that does not import is a fix that did not apply
+            return f"cannot import {entry.module} ({type(exc).__name__}: {exc})"
+        for target in watched.fix.hooked_targets:
+            if _module_of(target, entry.upstream_modules) is None:
+                return (
+                    f"target {target} is in none of the modules its register entry lists "
+                    f"({', '.join(entry.upstream_modules)}; sglang_dsv4/fixes/__init__.py)"
+                )
+    for module in watched.waiting_for():
+        if not _imported(module):
+            continue
+        mods = entry.upstream_modules
+        replaces = [r for r in watched.fix.replaces if _module_of(r.target, mods) == module]
+        adds = [a for a in watched.fix.adds if _module_of(a.target, mods) == module]
+        if reason := _install(replaces, adds):
+            return reason
+        watched.done.add(module)
+    return None
+
+
+def _pending_state(watched: _Watched) -> FixState:
+    waiting = watched.waiting_for()
+    if not waiting:
+        return FixState(APPLIED)
+    return FixState(PENDING, f"applies when upstream imports {', '.join(waiting)}")
+
+
+def _apply_ready() -> None:
+    """Apply every watched target whose module is imported; refuse on the first failure."""
+    if getattr(_local, "applying", False):
+        return  # importing a fix module imported upstream modules: the loop below sees them
+    with _lock:
+        _local.applying = True
+        try:
+            progress = True
+            while progress and _watched:
+                progress = False
+                for fix_id, watched in list(_watched.items()):
+                    if not any(map(_imported, watched.waiting_for())):
+                        continue
+                    before = len(watched.done)
+                    if reason := _advance(watched):
+                        _fail(fix_id, reason)
+                        continue
+                    STATE[fix_id] = _pending_state(watched)
+                    if STATE[fix_id].applied:
+                        del _watched[fix_id]
+                        logger.info("sglang-dsv4: fix %s applied", fix_id)
+                    progress |= len(watched.done) > before
+        finally:
+            _local.applying = False
+
+
+def _fail(fix_id: str, reason: str) -> None:
+    STATE[fix_id] = FixState(FAILED, reason)
+    _watched.pop(fix_id, None)
+    failures = getattr(_local, "failures", None)
+    if failures is not None:  # settle(refuse=False): record, keep checking the others
+        failures.append(str(Refusal(f"fix {fix_id}: {reason}").code))
+        return
+    _refuse(f"fix {fix_id}: {reason}")
+
+
+def _refuse(message: str) -> None:
+    if threading.current_thread() is threading.main_thread():
+        raise Refusal(message)
+    # SystemExit in another thread ends only that thread, silently: stop the process instead.
+    sys.stderr.write(f"{Refusal(message).code}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+# --- the import watch ---------------------------------------------------------------------------
+
+
+class _UpstreamImportWatch:
+    """A meta-path finder for `sglang` modules (and fix modules): when the outermost of them
+    being imported in a thread has finished, it applies what became ready, so no upstream module
+    is half-initialised then. It finds nothing itself: it asks the finders after it and wraps the
+    found loader's `exec_module` (on that loader instance only, so the loader keeps its class)."""
+
+    def __init__(self):
+        # Fix modules count as well: one imported by other code (export, tests) imports upstream
+        # modules, and must finish before it can be applied.
+        self.fix_modules: set[str] = set()
+
+    def find_spec(self, name, path=None, target=None):
+        if not (name == "sglang" or name.startswith("sglang.") or name in self.fix_modules):
+            return None
+        finders = sys.meta_path
+        for finder in finders[finders.index(self) + 1 :] if self in finders else ():
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                loader = spec.loader
+                exec_module = getattr(loader, "exec_module", None)
+                if exec_module is not None and not hasattr(exec_module, "_sglang_dsv4"):
+                    try:
+                        loader.exec_module = _counting(exec_module)
+                    except (AttributeError, TypeError):  # a loader that takes no attributes
+                        pass
+                return spec
+        return None
+
+    def invalidate_caches(self):
+        pass
+
+
+def _counting(exec_module):
+    def exec_and_apply(module):
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            exec_module(module)
+        finally:
+            _local.depth -= 1
+        if _local.depth == 0 and _watched and not getattr(_local, "applying", False):
+            _local.executed = module.__name__
+            try:
+                _apply_ready()
+            finally:
+                _local.executed = None
+
+    exec_and_apply._sglang_dsv4 = True
+    return exec_and_apply
+
+
+_WATCH = _UpstreamImportWatch()
+
+
+def _watch_imports() -> None:
+    if _WATCH not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCH)
+
+
+def settle(refuse: bool = True) -> list[str]:
+    """Import every module the pending fixes hook and apply them now.
+
+    A failure refuses (the process stops), or with `refuse=False` is only recorded in STATE so
+    that every other fix is still checked; returns the refusal lines.
+    """
+    _local.failures = None if refuse else []
+    try:
+        for watched in list(_watched.values()):
+            for module in watched.waiting_for():
+                if watched.entry.id not in _watched:
+                    break  # failed while an earlier module was imported
+                try:
+                    importlib.import_module(module)
+                except ImportError as exc:
+                    _fail(watched.entry.id, f"cannot import {module} ({exc})")
+                    break
+        _apply_ready()
+        return list(_local.failures or ())
+    finally:
+        _local.failures = None
 
 
 def load() -> None:
@@ -180,24 +401,27 @@ def load() -> None:
         raise Refusal(str(exc)) from None
     check_upstream_version(conf.allow_unpinned)
 
-    from sglang_dsv4.fixes import FIXES
+    from sglang_dsv4.fixes import REGISTER
 
-    STATE.update(apply_fixes(FIXES, conf))
+    for entry in REGISTER:
+        if entry.id in conf.skip_fixes:
+            STATE[entry.id] = FixState(SKIPPED, f"{settings.SKIP_FIXES_ENV} names it")
+        elif not entry.implemented:
+            STATE[entry.id] = FixState(DECLARED)
+        else:
+            _watched[entry.id] = watched = _Watched(entry)
+            _WATCH.fix_modules.add(entry.module)
+            STATE[entry.id] = _pending_state(watched)
     _loaded = True
-    failed = [(fid, st.reason) for fid, st in STATE.items() if st.status == FAILED]
-    if failed:
-        fid, reason = failed[0]
-        more = (
-            f" (and {len(failed) - 1} more fix(es); see `sglang-dsv4 status`)"
-            if len(failed) > 1
-            else ""
-        )
-        raise Refusal(f"fix {fid}: {reason}{more}")
+    _watch_imports()
+    _apply_ready()  # modules this process imported before loading plugins
     from sglang_dsv4 import sanitizer  # SGLANG_DSV4_SANITIZE=1 only; off installs nothing
 
     sanitizer.install_from_settings(conf)
     logger.info(
-        "sglang-dsv4: %d fix(es) applied, index-K dtype %s",
-        sum(st.applied for st in STATE.values()),
+        "sglang-dsv4: %d fix(es) applied, %d pending until upstream imports their modules, "
+        "index-K dtype %s",
+        sum(st.status == APPLIED for st in STATE.values()),
+        sum(st.status == PENDING for st in STATE.values()),
         conf.index_k_dtype,
     )

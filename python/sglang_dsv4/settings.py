@@ -6,6 +6,9 @@
 - SGLANG_DSV4_SANITIZE        1: install the KV / index-K sanitizer (default 0: nothing installed)
 - SGLANG_DSV4_SANITIZE_SAMPLE share of decode steps read-checked, 0..1 (default 0.01)
 - SGLANG_DSV4_SANITIZE_ACTION log (default) | abort: also fail the request a violation names
+
+This module imports no fix and nothing upstream: the plugin reads it in every SGLang process at
+start-up, and `python -m sglang_dsv4.envcheck` checks them before a container's role starts.
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ import functools
 import os
 from dataclasses import dataclass
 
-from sglang_dsv4.fixes.index_k_bf16 import (
-    INDEX_K_DTYPE_ENV,
-    parse_dsv4_index_k_dtype,
-)
-
+INDEX_K_DTYPE_ENV = "SGLANG_DSV4_INDEX_K_DTYPE"
+# The same names index-k-bf16's parse_dsv4_index_k_dtype accepts (a test holds the two together;
+# that function is written into upstream's module, so it cannot import this one).
+INDEX_K_DTYPES = ("fp8", "bf16", "fp4")
 ALLOW_UNPINNED_ENV = "SGLANG_DSV4_ALLOW_UNPINNED"
 SKIP_FIXES_ENV = "SGLANG_DSV4_SKIP_FIXES"
 SANITIZE_ENV = "SGLANG_DSV4_SANITIZE"
@@ -45,10 +47,26 @@ class Settings:
 
 def parse_index_k_dtype(value: str | None) -> str:
     """Normalise an index-K dtype name; unset or empty means fp8 (upstream's behaviour)."""
-    try:
-        return parse_dsv4_index_k_dtype(value)
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None
+    name = (value or "").strip().lower() or "fp8"
+    if name not in INDEX_K_DTYPES:
+        raise SettingsError(
+            f"{INDEX_K_DTYPE_ENV}={value!r} is not supported; allowed: {', '.join(INDEX_K_DTYPES)}"
+        )
+    return name
+
+
+def parse_skip_fixes(value: str | None) -> frozenset[str]:
+    """Fix ids to leave out; an id the register does not know is a typo, not a no-op."""
+    from sglang_dsv4.fixes import ids
+
+    skip = frozenset(s.strip() for s in (value or "").split(",") if s.strip())
+    unknown = sorted(skip - set(ids()))
+    if unknown:
+        raise SettingsError(
+            f"{SKIP_FIXES_ENV} names no fix {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(ids())}"
+        )
+    return skip
 
 
 def parse_sanitize(environ) -> tuple[bool, float, str]:
@@ -74,12 +92,11 @@ def parse_sanitize(environ) -> tuple[bool, float, str]:
 
 
 def from_environ(environ: os._Environ | dict) -> Settings:
-    skip = frozenset(s.strip() for s in environ.get(SKIP_FIXES_ENV, "").split(",") if s.strip())
     sanitize, sample, action = parse_sanitize(environ)
     return Settings(
         index_k_dtype=parse_index_k_dtype(environ.get(INDEX_K_DTYPE_ENV)),
         allow_unpinned=environ.get(ALLOW_UNPINNED_ENV, "").strip().lower() in _TRUE,
-        skip_fixes=skip,
+        skip_fixes=parse_skip_fixes(environ.get(SKIP_FIXES_ENV)),
         sanitize=sanitize,
         sanitize_sample=sample,
         sanitize_action=action,

@@ -1,7 +1,9 @@
 """`sglang-dsv4 status`: is the distribution in force in a process started like SGLang's?
 
 It loads plugins through upstream's own `load_plugins()` (entry-point discovery, SGLANG_PLUGINS
-filtering, HookRegistry), exactly as `python -m sglang.launch_server` does, then reports.
+filtering, HookRegistry), exactly as `python -m sglang.launch_server` does. A server applies each
+fix when upstream imports the module it hooks; status imports them all (`plugin.settle()`), so
+every fix is checked now, then reports.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ def collect() -> dict:
     from sglang.srt.plugins import load_plugins
 
     from sglang_dsv4 import UPSTREAM_PIN, __version__, plugin, sanitizer, settings
-    from sglang_dsv4.fixes import FIXES
+    from sglang_dsv4.cli import step
+    from sglang_dsv4.fixes import REGISTER
 
     refusal = None
     try:
+        step("sglang-dsv4 status: loading plugins")
         load_plugins()
+        step("sglang-dsv4 status: importing what each fix hooks, applying and checking it")
+        if plugin.STATE:
+            refusal = next(iter(plugin.settle(refuse=False)), None)
     except plugin.Refusal as exc:
         refusal = str(exc.code)
     try:
@@ -45,7 +52,8 @@ def collect() -> dict:
         dtype = f"invalid ({exc})"
     loaded = bool(plugin.STATE)
     fixes = []
-    for fix in FIXES:
+    for entry in REGISTER:
+        fix = entry.load()
         state = plugin.STATE.get(fix.id)
         if state is None:
             status, reason = "not loaded", refusal or "the dsv4_sm120 plugin did not run"
