@@ -138,6 +138,17 @@ def _check_add(add) -> str | None:
     return None
 
 
+def precheck(fix) -> str | None:
+    """Why `fix` cannot be installed on the upstream tree this process imports, or None."""
+    for reason in map(_check_replace, fix.replaces):
+        if reason:
+            return reason
+    for reason in map(_check_add, fix.adds):
+        if reason:
+            return reason
+    return None
+
+
 def _verify_replace(rep) -> str | None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 

@@ -20,7 +20,6 @@ the plugin delivery). The fix's tests are `Fix.tests` in the register.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -70,30 +69,20 @@ class FixFacts:
 
 def register() -> list[tuple[object, str]]:
     """(Fix, module name) in register order, from the installed pin."""
-    from sglang_dsv4.fixes import FIXES
+    from sglang_dsv4.fixes import REGISTER
 
-    modules = {
-        getattr(mod, "FIX", None).id: name
-        for name, mod in list(sys.modules.items())
-        if name.startswith("sglang_dsv4.fixes.") and hasattr(mod, "FIX")
-    }
-    return [(fix, modules[fix.id]) for fix in FIXES]
+    return [(entry.load(), entry.module) for entry in REGISTER]
 
 
 def probe(modules: list[str]) -> dict[str, str | None]:
-    """In the child process: each fix module imported on its own, then its targets checked.
-
-    The `sglang_dsv4.fixes` package is entered without running its `__init__` (which imports
-    every fix), so one fix that cannot import on this tree does not hide the others' verdicts.
-    """
-    from sglang_dsv4.plugin import _precheck
+    """In the child process: each fix module imported on its own (the register's package
+    imports none), so one fix that cannot import on this tree does not hide the others'
+    verdicts; then its targets are checked as the plugin checks them."""
+    from sglang_dsv4.plugin import precheck
 
     isolation = _isolation_problem()
     if isolation:
         raise RebaseCheckError(isolation)
-    spec = importlib.util.find_spec("sglang_dsv4.fixes")
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_dsv4.fixes"] = package
     found: dict[str, str | None] = {}
     for name in modules:
         try:
@@ -101,7 +90,7 @@ def probe(modules: list[str]) -> dict[str, str | None]:
         except Exception as exc:  # an ImportError, or upstream code failing as it imports
             found[name] = f"fix module {name} does not import: {_one_line(exc)}"
             continue
-        found[name] = _precheck(fix)
+        found[name] = precheck(fix)
     return found
 
 
