@@ -60,6 +60,7 @@ REGISTER: tuple[Entry, ...] = (
         "host-mirror-geometry",
         "sglang_dsv4.fixes.host_mirror_geometry",
         (
+            _POOL,
             "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler",
             "sglang.srt.mem_cache.memory_pool_host",
             _NIXL,
