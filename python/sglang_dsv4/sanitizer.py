@@ -44,14 +44,33 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
   benchmark/sanitizer_cost.py for measured ratios).
   Start-up (DeepSeekV4TokenToKVPool.__init__, after): the c4 index-K bytes per token the pool
   stores must not exceed what DSV4PoolConfigurator priced (`over_commit`).
-  PD transfer: page_checksums() digests index-K and c4 KV pages per (layer, page) on the prefill
-  side; verify_page_checksums() on the decode side names each changed page (`pd_checksum`).
-  Not hooked into the transfer yet: the digests need a carrier from prefill to decode. Upstream's
-  own (--disaggregation-enable-kv-checksum, disaggregation/checksum.py) is one adler32 digest per
-  request in slot 0 of an 8-wide metadata row (slots 2-7 unused), CUDA-only; and for this pool
-  it cannot run: kv_args lists the pool's 85 compressed-state buffers while
-  state_indices_for_request returns None for DeepSeekV4TokenToKVPool, so
-  KvChecksumComputer.compute fails its `state_indices_gpu is not None` assertion.
+  PD transfer (NIXL): page_checksums() digests the c4 index-K and c4 KV pages per (buffer,
+  page), Fletcher-like over 32-bit words.
+  - Prefill, TransferKVChunk.__init__ (after; the scheduler thread queues a room's chunk once
+    its forward is done; an early-send chunk's wait_event is synchronized first): the chunk's
+    pages are digested, keyed by their position in the room's page list.
+  - Prefill, CommonKVManager._encode_kv_status_message (after): a room's Success status gets
+    four frames after the reason frame: PD_DIGEST_TAG, "buffers,pages", int32 positions, int64
+    digests. Upstream's parser reads no frame past the reason, so a decode without the
+    sanitizer ignores them; nothing in the transfer or the metadata buffers changes.
+  - Decode, NixlKVManager.build_receiver_metadata_message (after): the room's own pages, in the
+    order the prefill addresses them (its dst_kv_indices).
+  - Decode, CommonKVManager.parse_kv_status_message (after; the listener thread, once the
+    prefill's NIXL handles for the room are DONE and before the room can read Success): the
+    pages are digested again and compared (verify_page_checksums); each changed page is
+    `pd_checksum` naming the room, layer and page. With ACTION=abort the parsed status becomes
+    Failed with the violation as its reason, so upstream's apply_prefill_status fails the room
+    and the request is aborted with that line before it decodes.
+  A prefill without the sanitizer sends no digests: nothing is checked. A prefill whose pool
+  has other buffers (a pipeline stage) is not checked (one warning line). Cost: one digest pass
+  over the room's pages on each side (benchmark/sanitizer_cost.py: about 10x copying them) and
+  42 x 8 B per page on the status message. Upstream's own checksum
+  (--disaggregation-enable-kv-checksum, disaggregation/checksum.py) is not used: one adler32
+  digest per request in an 8-wide metadata row, CUDA-only, and on this pool it fails its own
+  `state_indices_gpu is not None` assertion (kv_args lists 85 compressed-state buffers while
+  state_indices_for_request returns None for DeepSeekV4TokenToKVPool).
+  Metrics: every kind of sglang:dsv4_sanitizer_violations_total is created at 0 when the
+  sanitizer installs, so a reader sees it is on before any violation.
 
 A violation: one ERROR line "sanitizer violation kind=... request=... layer=... page=... slot=...
 expected=... found=...", sglang:dsv4_sanitizer_violations_total{kind} += 1, and with
