@@ -853,10 +853,13 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
         san.watch_pool(self)
         _guarded(san.check_over_commit)(self, san.priced_index_bytes)
 
+    def digest_chunk(chunk):
+        if chunk.wait_event is not None:  # early send: the KV is final once this event is
+            chunk.wait_event.synchronize()
+        san.on_chunk_queued(chunk.room, chunk.prefill_kv_indices, chunk.index_slice)
+
     def after_chunk(result, self, *args, **kwargs):
-        if self.wait_event is not None:  # early send: the KV is final once this event is
-            self.wait_event.synchronize()
-        _guarded(san.on_chunk_queued)(self.room, self.prefill_kv_indices, self.index_slice)
+        _guarded(digest_chunk)(self)
 
     def after_encode_status(result, self, *, bootstrap_room, status, failure_reason):
         # After the reason frame, which upstream's parser reads as the last one it knows: a
