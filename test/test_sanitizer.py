@@ -441,6 +441,9 @@ alloc = PagedTokenToKVPoolAllocator(pool.full_size, page_size=256, dtype=torch.f
                                     device="cpu", kvcache=pool, need_sort=False)
 rows = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
 out = {"status": status.collect()["sanitizer"]}
+from prometheus_client import REGISTRY
+out["counters_at_start"] = {k: REGISTRY.get_sample_value(
+    "sglang:dsv4_sanitizer_violations_total", {"kind": k}) for k in sanitizer.KINDS}
 for _ in range(20):  # clean cycles through the hooked methods
     (row,) = rows.alloc_rows(1)
     slots = alloc.alloc(512)
@@ -492,7 +495,8 @@ def test_hooks_in_a_server_process_catch_faults():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT ") :])
-    assert out["status"]["on"] and out["status"]["hooks"] == 22
+    assert out["status"]["on"] and out["status"]["hooks"] == 26
+    assert out["counters_at_start"] == dict.fromkeys(sanitizer.KINDS, 0.0)
     assert out["status"]["summary"].endswith("sample 0.5, action abort)")
     assert out["clean"] == {}
     assert out["faults"] == {"use_after_free": 3, "double_owner": 1}

@@ -44,14 +44,33 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
   benchmark/sanitizer_cost.py for measured ratios).
   Start-up (DeepSeekV4TokenToKVPool.__init__, after): the c4 index-K bytes per token the pool
   stores must not exceed what DSV4PoolConfigurator priced (`over_commit`).
-  PD transfer: page_checksums() digests index-K and c4 KV pages per (layer, page) on the prefill
-  side; verify_page_checksums() on the decode side names each changed page (`pd_checksum`).
-  Not hooked into the transfer yet: the digests need a carrier from prefill to decode. Upstream's
-  own (--disaggregation-enable-kv-checksum, disaggregation/checksum.py) is one adler32 digest per
-  request in slot 0 of an 8-wide metadata row (slots 2-7 unused), CUDA-only; and for this pool
-  it cannot run: kv_args lists the pool's 85 compressed-state buffers while
-  state_indices_for_request returns None for DeepSeekV4TokenToKVPool, so
-  KvChecksumComputer.compute fails its `state_indices_gpu is not None` assertion.
+  PD transfer (NIXL): page_checksums() digests the c4 index-K and c4 KV pages per (buffer,
+  page), Fletcher-like over 32-bit words.
+  - Prefill, TransferKVChunk.__init__ (after; the scheduler thread queues a room's chunk once
+    its forward is done; an early-send chunk's wait_event is synchronized first): the chunk's
+    pages are digested, keyed by their position in the room's page list.
+  - Prefill, CommonKVManager._encode_kv_status_message (after): a room's Success status gets
+    four frames after the reason frame: PD_DIGEST_TAG, "buffers,pages", int32 positions, int64
+    digests. Upstream's parser reads no frame past the reason, so a decode without the
+    sanitizer ignores them; nothing in the transfer or the metadata buffers changes.
+  - Decode, NixlKVManager.build_receiver_metadata_message (after): the room's own pages, in the
+    order the prefill addresses them (its dst_kv_indices).
+  - Decode, CommonKVManager.parse_kv_status_message (after; the listener thread, once the
+    prefill's NIXL handles for the room are DONE and before the room can read Success): the
+    pages are digested again and compared (verify_page_checksums); each changed page is
+    `pd_checksum` naming the room, layer and page. With ACTION=abort the parsed status becomes
+    Failed with the violation as its reason, so upstream's apply_prefill_status fails the room
+    and the request is aborted with that line before it decodes.
+  A prefill without the sanitizer sends no digests: nothing is checked. A prefill whose pool
+  has other buffers (a pipeline stage) is not checked (one warning line). Cost: one digest pass
+  over the room's pages on each side (benchmark/sanitizer_cost.py: about 10x copying them) and
+  42 x 8 B per page on the status message. Upstream's own checksum
+  (--disaggregation-enable-kv-checksum, disaggregation/checksum.py) is not used: one adler32
+  digest per request in an 8-wide metadata row, CUDA-only, and on this pool it fails its own
+  `state_indices_gpu is not None` assertion (kv_args lists 85 compressed-state buffers while
+  state_indices_for_request returns None for DeepSeekV4TokenToKVPool).
+  Metrics: every kind of sglang:dsv4_sanitizer_violations_total is created at 0 when the
+  sanitizer installs, so a reader sees it is on before any violation.
 
 A violation: one ERROR line "sanitizer violation kind=... request=... layer=... page=... slot=...
 expected=... found=...", sglang:dsv4_sanitizer_violations_total{kind} += 1, and with
@@ -64,8 +83,10 @@ from __future__ import annotations
 import logging
 import random
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("sglang_dsv4.sanitizer")
@@ -87,6 +108,9 @@ POISON_BYTE = 0xFF
 SHADOW_MIN_AGREEMENT = {"bf16": 0.98, "fp8": 0.95}
 INDEX_HEAD_DIM = 128
 _KEEP_VIOLATIONS = 1000  # the most recent ones, for tests and `status`
+# Marks the digest frames a sanitized prefill appends to a room's KV_STATUS Success message.
+PD_DIGEST_TAG = b"dsv4-sanitizer-page-digests/1"
+_KEEP_ROOMS = 1024  # rooms whose digests / pages are kept (a room cleared unconcluded ages out)
 
 
 @dataclass(frozen=True)
@@ -185,6 +209,9 @@ class Sanitizer:
         self.priced_index_bytes: int | None = None
         self._sampled_batch: int | None = None  # id() of the forward batch being sampled
         self._query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (q, weights)
+        self.pd_pool = None  # weakref to this process's DeepSeekV4TokenToKVPool
+        self.sent_digests: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()  # prefill
+        self.room_pages: OrderedDict[int, np.ndarray] = OrderedDict()  # decode: room -> pages
 
     # --- reporting -------------------------------------------------------------------------------
 
@@ -585,6 +612,91 @@ class Sanitizer:
             )
         return len(self.violations) - before
 
+    def watch_pool(self, pool) -> None:
+        self.pd_pool = weakref.ref(pool)
+
+    def _pd_pool(self):
+        return self.pd_pool() if self.pd_pool is not None else None
+
+    @staticmethod
+    def _remember(table: OrderedDict, key, value) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > _KEEP_ROOMS:
+            table.popitem(last=False)
+
+    def on_chunk_queued(self, room: int, pages, index_slice: slice) -> None:
+        """Prefill: digest a chunk's pages as it is queued for transfer, keyed by their position
+        in the room's page list (the decode's pages at the same positions receive them)."""
+        pool = self._pd_pool()
+        if pool is None or pages is None or len(pages) == 0:
+            return
+        start = index_slice.start or 0
+        chunks = {} if start == 0 else self.sent_digests.get(room, {})
+        chunks[start] = page_checksums(pool, np.asarray(pages, dtype=np.int64))
+        self._remember(self.sent_digests, room, chunks)
+
+    def digest_frames(self, room: int) -> list[bytes]:
+        """Prefill: the frames appended to the room's Success status (none when nothing was
+        digested): tag, "buffers,pages", int32 positions, int64 digests [buffers, pages]. The
+        room's digests are dropped once framed."""
+        chunks = self.sent_digests.pop(room, None)
+        if not chunks:
+            return []
+        starts = sorted(chunks)
+        digests = torch.cat([chunks[s] for s in starts], dim=1)
+        positions = np.concatenate(
+            [np.arange(s, s + chunks[s].shape[1], dtype=np.int32) for s in starts]
+        )
+        return [
+            PD_DIGEST_TAG,
+            f"{digests.shape[0]},{digests.shape[1]}".encode("ascii"),
+            positions.tobytes(),
+            digests.numpy().astype("<i8").tobytes(),
+        ]
+
+    def on_receiver_pages(self, room: int, pages) -> None:
+        """Decode: the pages a room's KV lands in, in the order the prefill addresses them."""
+        if pages is not None:
+            self._remember(self.room_pages, room, np.asarray(pages, dtype=np.int64).copy())
+
+    def check_arrival(self, room: int, frames: list[bytes]) -> str | None:
+        """Decode, on the room's Success status: the digest frames (from PD_DIGEST_TAG on) against
+        the pages as they are now. Returns the first violation's line, or None when clean."""
+        pool = self._pd_pool()
+        # Kept (bounded) rather than popped: each prefill rank that sends pages sends digests.
+        pages = self.room_pages.get(room)
+        if pool is None or pages is None:
+            return None  # no DeepSeek-V4 pool here, or a room this decode did not open
+        try:
+            buffers, count = (int(x) for x in frames[1].decode("ascii").split(","))
+            if buffers != len(page_buffers(pool)):
+                # A prefill pool of other layers (a pipeline stage): not comparable page for page.
+                logger.warning(
+                    "sanitizer: room %s not digest-checked: the prefill digested %d page "
+                    "buffers, this decode has %d",
+                    room,
+                    buffers,
+                    len(page_buffers(pool)),
+                )
+                return None
+            positions = np.frombuffer(frames[2], dtype=np.int32).astype(np.int64)
+            expected = torch.from_numpy(
+                np.frombuffer(frames[3], dtype="<i8").reshape(buffers, count).copy()
+            )
+            dst_pages = pages[positions]
+        except (IndexError, ValueError) as exc:
+            violation = Violation(
+                "pd_checksum",
+                request=f"room {room}",
+                expected="page digests this decode can check",
+                found=f"unreadable digest frames ({exc})",
+            )
+            self.report(violation)
+            return violation.line()
+        found = self.verify_page_checksums(pool, dst_pages, expected, request=f"room {room}")
+        return self.violations[-found].line() if found else None
+
 
 def page_checksums(pool, pages) -> torch.Tensor:
     """int64 digests [buffers, pages] of the c4 index-K and c4 KV pages (page_buffers order).
@@ -619,6 +731,10 @@ _DECODE_GRAPH_RUNNER = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 )
 _CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator"
+_CHUNK = "sglang.srt.disaggregation.common.utils.TransferKVChunk"
+_NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+# The status messages' builder and parser, which NixlKVManager inherits.
+_COMMON_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
 
 SANITIZER: Sanitizer | None = None  # this process's sanitizer, when installed
 INSTALLED: list[str] = []  # the targets hooked in this process
@@ -651,6 +767,8 @@ def _guarded(check):
 
 def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
     """(target, hook, hook type name) for every check; the bindings resolve upstream's names."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
     from sglang_dsv4.plugin import resolve
 
     def original(target):
@@ -732,7 +850,45 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
         san.priced_index_bytes = getattr(self, "indexer_bytes_per_token", None)
 
     def after_token_pool(result, self, *args, **kwargs):
+        san.watch_pool(self)
         _guarded(san.check_over_commit)(self, san.priced_index_bytes)
+
+    def digest_chunk(chunk):
+        if chunk.wait_event is not None:  # early send: the KV is final once this event is
+            chunk.wait_event.synchronize()
+        san.on_chunk_queued(chunk.room, chunk.prefill_kv_indices, chunk.index_slice)
+
+    def after_chunk(result, self, *args, **kwargs):
+        _guarded(digest_chunk)(self)
+
+    def after_encode_status(result, self, *, bootstrap_room, status, failure_reason):
+        # After the reason frame, which upstream's parser reads as the last one it knows: a
+        # decode without the sanitizer ignores the extra frames.
+        frames = []
+        _guarded(lambda: frames.extend(san.digest_frames(bootstrap_room)))()
+        if int(status) != int(KVPoll.Success) or not self.kv_status_msg_carries_reason:
+            return None
+        return result + frames if frames else None
+
+    def after_metadata_message(result, self, **kwargs):
+        if not kwargs.get("is_dummy"):
+            san.on_receiver_pages(kwargs["bootstrap_room"], kwargs["kv_indices"])
+
+    def after_parse_status(result, self, msg):
+        if result is None or int(result[1]) != int(KVPoll.Success) or PD_DIGEST_TAG not in msg:
+            return None
+        room, _, prefill_rank, _ = result
+        line = None
+
+        def check():
+            nonlocal line
+            line = san.check_arrival(room, msg[msg.index(PD_DIGEST_TAG) :])
+
+        _guarded(check)()
+        if line is not None and san.action == "abort":
+            # The room fails through upstream's status path, with the violation as its reason.
+            return room, KVPoll.Failed, prefill_rank, f"DeepSeek-V4 sanitizer: {line}"
+        return None
 
     hooks = [
         (f"{_ALLOCATOR}.alloc", after_alloc, "AFTER"),
@@ -754,6 +910,10 @@ def _hooks(san: Sanitizer) -> list[tuple[str, object, str]]:
         (f"{_DECODE_GRAPH_RUNNER}.can_run_graph", around_can_run_graph, "AROUND"),
         (f"{_CONFIGURATOR}.__init__", after_configurator, "AFTER"),
         (f"{_TOKEN_POOL}.__init__", after_token_pool, "AFTER"),
+        (f"{_CHUNK}.__init__", after_chunk, "AFTER"),
+        (f"{_COMMON_MANAGER}._encode_kv_status_message", after_encode_status, "AFTER"),
+        (f"{_NIXL_MANAGER}.build_receiver_metadata_message", after_metadata_message, "AFTER"),
+        (f"{_COMMON_MANAGER}.parse_kv_status_message", after_parse_status, "AFTER"),
     ]
     # Present when the index-k-bf16 fix is applied (it adds them).
     if original(f"{_TOKEN_POOL}.set_index_k_bf16") is not None:
@@ -847,6 +1007,11 @@ def install(sample: float, action: str) -> list[str]:
             raise RuntimeError(f"sanitizer hook {target}: did not take (see upstream's log)")
     SANITIZER = san
     INSTALLED[:] = [target for target, _, _ in hooks]
+    try:  # every kind at 0 from the start: a dashboard or gate sees the sanitizer is on
+        for kind in KINDS:
+            _violation_counter().labels(kind=kind)
+    except Exception:
+        logger.warning("sanitizer: violation counter unavailable", exc_info=True)
     logger.warning(
         "sglang-dsv4: KV sanitizer on (%d hooks, sample %s, action %s)",
         len(INSTALLED),
