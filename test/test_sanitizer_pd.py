@@ -18,25 +18,26 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import time
 
 import numpy as np
 import pytest
 import torch
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.nixl.conn import (
     KVArgsRegisterInfo,
     NixlKVManager,
     TransferInfo,
-    num_kv_slots,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_dsv4 import sanitizer
 from sglang_dsv4.plugin import resolve
 from sglang_dsv4.sanitizer import PD_DIGEST_TAG, Sanitizer, c4_layers
 from support.dsv4 import small_pool
-from support.nixl import listen_as_single_rank, new_room, track_rooms, ucx_agent
+from support.nixl import (
+    new_room,
+    pool_manager,
+)
 
 PAGE = 256
 
@@ -56,44 +57,9 @@ def close_managers():
         MANAGERS.pop()._zmq_ctx.destroy(linger=0)
 
 
-def kv_args_of(pool) -> KVArgs:
-    args = KVArgs()
-    args.engine_rank, args.gpu_id, args.page_size = 0, 0, PAGE
-    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
-    args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
-    args.kv_layer_ids = []
-    args.kv_layout = pool.pd_kv_layout()
-    aux = torch.zeros(64, dtype=torch.uint8)
-    args.aux_buffer = aux
-    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [64], [8]
-    for name in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids"):
-        setattr(args, name, [])
-    args.state_dim_per_tensor, args.state_types = [], []
-    return args
-
-
 def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
-    mgr = object.__new__(NixlKVManager)
+    mgr = pool_manager(mode, pool, PAGE)
     MANAGERS.append(mgr)
-    mgr.disaggregation_mode = mode
-    mgr.kv_args = kv_args_of(pool)
-    mgr.agent = ucx_agent(mode.value)
-    mgr.register_buffer_to_engine()
-    mgr.is_mla_backend, mgr.is_hybrid_mla_backend = False, True
-    listen_as_single_rank(mgr)
-    mgr.enable_staging = False
-    track_rooms(mgr)
-    if mode == DisaggregationMode.PREFILL:
-        mgr.src_mem_kind = "DRAM"
-        mgr._num_slots_src = num_kv_slots(mgr.kv_args.kv_data_lens, mgr.kv_args.kv_item_lens)
-        mgr.prep_handles, mgr.decode_kv_args_table, mgr.transfer_infos = {}, {}, {}
-        mgr._prepared_state_plans, mgr._state_layout_rejections = {}, {}
-        mgr._prepared_state_components = frozenset()
-        mgr.transfer_queues = [queue.SimpleQueue()]
-        mgr.deferred_bootstrap = None
-    else:
-        mgr.prefill_response_tracker, mgr.required_prefill_response_num_table = {}, {}
-        mgr.defer_decode_allocation = False
     return mgr
 
 

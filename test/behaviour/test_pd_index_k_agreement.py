@@ -20,7 +20,6 @@ the chunk it would dequeue.
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import time
 from types import SimpleNamespace
@@ -29,18 +28,21 @@ import numpy as np
 import pytest
 import requests
 import torch
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
 from sglang.srt.disaggregation.nixl.conn import (
     KVArgsRegisterInfo,
     NixlKVManager,
     TransferInfo,
-    num_kv_slots,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode, get_pd_kv_layout
 from support.dsv4 import small_pool
-from support.nixl import HOST, listen_as_single_rank, track_rooms, ucx_agent
+from support.nixl import (
+    HOST,
+    kv_args_of,
+    pool_manager,
+)
 
 PAGE = 256
 INDEX_PAGE_SLOTS = PAGE // 4  # c4 index slots per page
@@ -63,22 +65,6 @@ def index_k_entries(pool) -> list[int]:
     return [ptrs.index(r.data_ptr()) for r in rows]
 
 
-def kv_args_of(pool) -> KVArgs:
-    args = KVArgs()
-    args.engine_rank, args.gpu_id, args.page_size = 0, 0, PAGE
-    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
-    args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
-    args.kv_layer_ids = []
-    args.kv_layout = pool.pd_kv_layout()
-    aux = torch.zeros(64, dtype=torch.uint8)  # one metadata buffer, kept alive by the args
-    args.aux_buffer = aux
-    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [64], [8]
-    for name in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids"):
-        setattr(args, name, [])
-    args.state_dim_per_tensor, args.state_types = [], []
-    return args
-
-
 # Managers this module made; their zmq contexts are destroyed after each test (a context that
 # is garbage-collected while its sockets are still open blocks in term()).
 MANAGERS: list[NixlKVManager] = []
@@ -92,24 +78,8 @@ def close_managers():
 
 
 def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
-    mgr = object.__new__(NixlKVManager)
+    mgr = pool_manager(mode, pool, PAGE)
     MANAGERS.append(mgr)
-    mgr.disaggregation_mode = mode
-    mgr.kv_args = kv_args_of(pool)
-    mgr.agent = ucx_agent(mode.value)
-    mgr.register_buffer_to_engine()
-    mgr.is_mla_backend, mgr.is_hybrid_mla_backend = False, True  # DeepSeek-V4's pools
-    listen_as_single_rank(mgr)
-    mgr.enable_staging = False
-    if mode == DisaggregationMode.PREFILL:
-        mgr.src_mem_kind = "DRAM"
-        mgr._num_slots_src = num_kv_slots(mgr.kv_args.kv_data_lens, mgr.kv_args.kv_item_lens)
-        mgr.prep_handles, mgr.decode_kv_args_table, mgr.transfer_infos = {}, {}, {}
-        mgr._prepared_state_plans, mgr._state_layout_rejections = {}, {}
-        mgr._prepared_state_components = frozenset()
-        mgr.transfer_queues = [queue.SimpleQueue()]  # what workers read; can say it is empty
-        track_rooms(mgr)
-        mgr.deferred_bootstrap = None
     return mgr
 
 
@@ -250,7 +220,7 @@ def layout_manager(mode: DisaggregationMode, pool, bootstrap_port: int) -> NixlK
     kv_layout from upstream's get_pd_kv_layout, as prefill.py / decode.py set it."""
     mgr = object.__new__(NixlKVManager)
     mgr.disaggregation_mode = mode
-    mgr.kv_args = kv_args_of(pool)
+    mgr.kv_args = kv_args_of(pool, PAGE)
     mgr.kv_args.kv_layout = get_pd_kv_layout(pool)
     mgr.kv_args.kv_cache_dtype_str = "fp8_e4m3"
     mgr.kv_args.state_types = []

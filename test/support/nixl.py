@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import errno
 import itertools
+import queue
 import threading
 import time
 from collections import defaultdict
 
 import numpy as np
 import requests
+import torch
 import zmq
 from nixl._api import nixl_agent, nixl_agent_config
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager, num_kv_slots
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_zmq_socket_on_host
 
@@ -219,3 +221,45 @@ class FailingSocket:
 def open_room_on(mgr: NixlKVManager, room: int, status: int) -> None:
     mgr.update_status(room, KVPoll.Bootstrapping)
     mgr.update_status(room, status)
+
+
+def kv_args_of(pool, page_size: int) -> KVArgs:
+    """The KV args a rank of this DeepSeek-V4 pool registers, with one small aux buffer."""
+    args = KVArgs()
+    args.engine_rank, args.gpu_id, args.page_size = 0, 0, page_size
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+    args.kv_layer_ids = []
+    args.kv_layout = pool.pd_kv_layout()
+    aux = torch.zeros(64, dtype=torch.uint8)  # one metadata buffer, kept alive by the args
+    args.aux_buffer = aux
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [64], [8]
+    for name in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids"):
+        setattr(args, name, [])
+    args.state_dim_per_tensor, args.state_types = [], []
+    return args
+
+
+def pool_manager(mode: DisaggregationMode, pool, page_size: int) -> NixlKVManager:
+    """A prefill or decode rank whose KV buffers are `pool`'s, registered with a UCX agent."""
+    mgr = object.__new__(NixlKVManager)
+    mgr.disaggregation_mode = mode
+    mgr.kv_args = kv_args_of(pool, page_size)
+    mgr.agent = ucx_agent(mode.value)
+    mgr.register_buffer_to_engine()
+    mgr.is_mla_backend, mgr.is_hybrid_mla_backend = False, True  # DeepSeek-V4's pools
+    listen_as_single_rank(mgr)
+    mgr.enable_staging = False
+    track_rooms(mgr)
+    if mode == DisaggregationMode.PREFILL:
+        mgr.src_mem_kind = "DRAM"
+        mgr._num_slots_src = num_kv_slots(mgr.kv_args.kv_data_lens, mgr.kv_args.kv_item_lens)
+        mgr.prep_handles, mgr.decode_kv_args_table, mgr.transfer_infos = {}, {}, {}
+        mgr._prepared_state_plans, mgr._state_layout_rejections = {}, {}
+        mgr._prepared_state_components = frozenset()
+        mgr.transfer_queues = [queue.SimpleQueue()]  # what workers read; can say it is empty
+        mgr.deferred_bootstrap = None
+    else:
+        mgr.prefill_response_tracker, mgr.required_prefill_response_num_table = {}, {}
+        mgr.defer_decode_allocation = False
+    return mgr
