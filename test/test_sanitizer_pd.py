@@ -35,6 +35,7 @@ from sglang_dsv4.plugin import resolve
 from sglang_dsv4.sanitizer import PD_DIGEST_TAG, Sanitizer, c4_layers
 from support.dsv4 import small_pool
 from support.nixl import (
+    close_pool_managers,  # noqa: F401 (autouse: closes the managers' zmq contexts)
     new_room,
     pool_manager,
 )
@@ -47,20 +48,8 @@ def pools():
     return {"prefill": small_pool("bf16")[1], "decode": small_pool("bf16")[1]}
 
 
-MANAGERS: list[NixlKVManager] = []
-
-
-@pytest.fixture(autouse=True)
-def close_managers():
-    yield
-    while MANAGERS:
-        MANAGERS.pop()._zmq_ctx.destroy(linger=0)
-
-
 def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
-    mgr = pool_manager(mode, pool, PAGE)
-    MANAGERS.append(mgr)
-    return mgr
+    return pool_manager(mode, pool, PAGE)
 
 
 def hook_after(monkeypatch, san: Sanitizer, *targets: str) -> None:

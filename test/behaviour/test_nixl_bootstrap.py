@@ -30,6 +30,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.nixl.conn import GUARD
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from support.nixl import (
+    ABORTED,
     HOST,
     FailingSocket,
     Peer,
@@ -43,7 +44,6 @@ from support.nixl import (
     wait_until,
 )
 
-ABORTED = "Aborted by decode-side abort notification."
 METRIC = "sglang:nixl_control_thread_events_total"
 
 

@@ -22,6 +22,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from support.nixl import (
+    ABORTED,
     FailingSocket,
     Peer,
     Sender,
@@ -33,8 +34,6 @@ from support.nixl import (
     ucx_agent,
     wait_until,
 )
-
-ABORTED = "Aborted by decode-side abort notification."
 
 
 @pytest.fixture(scope="module")

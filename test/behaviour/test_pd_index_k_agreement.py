@@ -40,6 +40,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode, get_pd_kv_layout
 from support.dsv4 import small_pool
 from support.nixl import (
     HOST,
+    close_pool_managers,  # noqa: F401 (autouse: closes the managers' zmq contexts)
     kv_args_of,
     pool_manager,
 )
@@ -65,22 +66,8 @@ def index_k_entries(pool) -> list[int]:
     return [ptrs.index(r.data_ptr()) for r in rows]
 
 
-# Managers this module made; their zmq contexts are destroyed after each test (a context that
-# is garbage-collected while its sockets are still open blocks in term()).
-MANAGERS: list[NixlKVManager] = []
-
-
-@pytest.fixture(autouse=True)
-def close_managers():
-    yield
-    while MANAGERS:
-        MANAGERS.pop()._zmq_ctx.destroy(linger=0)
-
-
 def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
-    mgr = pool_manager(mode, pool, PAGE)
-    MANAGERS.append(mgr)
-    return mgr
+    return pool_manager(mode, pool, PAGE)
 
 
 def register(prefill: NixlKVManager, decode: NixlKVManager) -> KVArgsRegisterInfo:

@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 
 import numpy as np
+import pytest
 import requests
 import torch
 import zmq
@@ -26,6 +27,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_zmq_socket_on_host
 
 HOST = "127.0.0.1"
+# The reason upstream records for a room the decode aborted.
+ABORTED = "Aborted by decode-side abort notification."
 
 _agent_names = itertools.count()
 
@@ -240,9 +243,23 @@ def kv_args_of(pool, page_size: int) -> KVArgs:
     return args
 
 
+# Managers pool_manager made; close_pool_managers destroys their zmq contexts after each test (a
+# context garbage-collected while its sockets are still open blocks in term()).
+_POOL_MANAGERS: list[NixlKVManager] = []
+
+
+@pytest.fixture(autouse=True)
+def close_pool_managers():
+    """Autouse in every test module that imports it."""
+    yield
+    while _POOL_MANAGERS:
+        _POOL_MANAGERS.pop()._zmq_ctx.destroy(linger=0)
+
+
 def pool_manager(mode: DisaggregationMode, pool, page_size: int) -> NixlKVManager:
     """A prefill or decode rank whose KV buffers are `pool`'s, registered with a UCX agent."""
     mgr = object.__new__(NixlKVManager)
+    _POOL_MANAGERS.append(mgr)
     mgr.disaggregation_mode = mode
     mgr.kv_args = kv_args_of(pool, page_size)
     mgr.agent = ucx_agent(mode.value)
