@@ -436,6 +436,76 @@ def test_toy_patched_tree_behaves_like_the_fix_functions(toy):
     assert pristine == toy.upstream.area(2, 3) != expected["area"]
 
 
+HTTP = "sglang.srt.dsv4_export_http"
+
+# An application that records its routes as FastAPI does: the function a route was declared with.
+HTTP_SOURCE = """\
+ROUTES = {}
+
+
+class App:
+    def get(self, path):
+        def declare(func):
+            ROUTES[path] = func
+            return func
+
+        return declare
+
+
+app = App()
+
+
+@app.get("/health")
+@app.get("/health_generate")
+def health(request):
+    return f"upstream answers {request}"
+
+
+def other():
+    return 1
+"""
+
+HTTP_FIX_SOURCE = """\
+from sglang.srt.dsv4_export_http import health
+
+
+def checked_health(request):
+    if request == "down":
+        return "503"
+    return health(request)
+"""
+
+
+def test_an_endpoint_taking_upstreams_routes_gets_its_route_decorators(tmp_path, monkeypatch):
+    from sglang_dsv4.register import Routes
+
+    python = write_tree(tmp_path / "upstream", {HTTP: HTTP_SOURCE})
+    load(HTTP, python / "sglang/srt/dsv4_export_http.py", monkeypatch)
+    (tmp_path / "dsv4_http_fix.py").write_text(HTTP_FIX_SOURCE)
+    ours = load("dsv4_http_fix", tmp_path / "dsv4_http_fix.py", monkeypatch).checked_health
+    fix = toy_fix(
+        "toy-health",
+        targets=(f"{HTTP}.health",),
+        adds=(Add(HTTP, ours, takes_routes=Routes("health", "(request)")),),
+    )
+    export.export_series([fix], python, tmp_path / "patches")
+    export.apply_series(tmp_path / "patches", python, tmp_path / "applied")
+    patched = tmp_path / "applied/python"
+    defs = defs_by_qualname(ast.parse((patched / "sglang/srt/dsv4_export_http.py").read_text()))
+    # upstream's endpoint keeps its body and loses its routes, which ours takes, right after it
+    assert list(defs) == ["App.get", "health", "checked_health", "other"]
+    assert defs["health"].decorator_list == []
+    decorators = [ast.unparse(d) for d in defs["checked_health"].decorator_list]
+    assert decorators == ["app.get('/health')", "app.get('/health_generate')"]
+    got = run_in_tree(
+        patched,
+        "import json\nfrom sglang.srt.dsv4_export_http import ROUTES\n"
+        "print(json.dumps({p: [f.__name__, f('ok'), f('down')] for p, f in ROUTES.items()}))",
+    )
+    answers = ["checked_health", "upstream answers ok", "503"]
+    assert got == {"/health": answers, "/health_generate": answers}
+
+
 def test_kernel_files_are_carried_with_imports_rewritten(toy):
     toy.export([toy.main_fix()])
     patched_dir = toy.apply()
@@ -673,6 +743,7 @@ def test_real_series_is_deterministic_applies_and_carries_every_function(pinned_
         for path, func in [(r.target, r.func) for r in fix.replaces] + [
             (a.target, a.func) for a in fix.adds
         ]:
+            routed = any(a.func is func and a.takes_routes for a in fix.adds)
             parts = path.split(".")
             for cut in range(len(parts) - 1, 0, -1):
                 file = python / ("/".join(parts[:cut]) + ".py")
@@ -681,4 +752,8 @@ def test_real_series_is_deterministic_applies_and_carries_every_function(pinned_
             defs = defs_by_qualname(ast.parse(file.read_text()))
             qualname = ".".join(parts[cut:])
             assert qualname in defs, f"{fix.id}: {path} missing from {file}"
-            assert comparable(defs[qualname]) == comparable(source_def(func)), f"{fix.id}: {path}"
+            written = defs[qualname]
+            if routed:  # it wears the route decorators it took from upstream's endpoint
+                assert written.decorator_list, f"{fix.id}: {path} took no routes"
+                written.decorator_list = []
+            assert comparable(written) == comparable(source_def(func)), f"{fix.id}: {path}"

@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+from fastapi import Request
 from sglang_dsv4 import UPSTREAM_PIN
 from sglang_dsv4.fixes import FIXES
 
@@ -320,3 +321,97 @@ def test_status_strict_fails_when_the_plugin_is_excluded():
     report = json.loads(proc.stdout)
     assert report["plugin_loaded"] is False
     assert {f["status"] for f in report["fixes"]} == {"not loaded"}
+
+
+# --- an added endpoint taking an upstream endpoint's routes (register.Routes) -------------------
+
+
+def toy_http_module(monkeypatch):
+    """A module with a real FastAPI application whose /health routes serve `health`."""
+    import types
+
+    from fastapi import FastAPI
+
+    module = types.ModuleType("dsv4_toy_http")
+    module.app = app = FastAPI()
+
+    @app.get("/health", tags=["probes"])
+    @app.get("/health_generate")
+    async def health(request: Request):
+        return {"answered_by": "upstream", "path": request.url.path}
+
+    @app.get("/other")
+    async def other():
+        return {}
+
+    module.health, module.other = health, other
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+async def checked_health(request: Request):  # FastAPI reads the annotation
+    if request.query_params.get("down"):
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse("NIXL thread down", status_code=503)
+    return await sys.modules["dsv4_toy_http"].health(request)
+
+
+def routes_fix(routes):
+    from sglang_dsv4.register import Add, Fix
+
+    add = Add("dsv4_toy_http", checked_health, takes_routes=routes)
+    return Fix("toy", "t", "test", "w", "h", "not upstream", "never", (), adds=(add,))
+
+
+def test_an_added_endpoint_serves_the_routes_it_takes_and_calls_upstreams(monkeypatch):
+    from sglang_dsv4 import plugin
+    from sglang_dsv4.register import Routes
+    from starlette.testclient import TestClient
+
+    module = toy_http_module(monkeypatch)
+    order = [r.path for r in module.app.routes]
+    before = {r.path: r for r in module.app.routes if r.path.startswith("/health")}
+    fix = routes_fix(Routes("health", "(request)"))
+    assert plugin.precheck(fix) is None
+    assert plugin._install([], list(fix.adds)) is None
+    assert plugin.verify(fix) is None
+
+    client = TestClient(module.app)
+    assert client.get("/health").json() == {"answered_by": "upstream", "path": "/health"}
+    down = client.get("/health_generate", params={"down": 1})
+    assert (down.status_code, down.text) == (503, "NIXL thread down")
+    after = {r.path: r for r in module.app.routes if r.path.startswith("/health")}
+    for path, route in after.items():  # the same route, another endpoint
+        assert route.endpoint is checked_health and before[path].endpoint is module.health
+        assert (route.name, route.methods, route.tags, type(route)) == (
+            before[path].name,
+            before[path].methods,
+            before[path].tags,
+            type(before[path]),
+        )
+    assert [r.path for r in module.app.routes] == order  # each in its place: matched as before
+
+
+@pytest.mark.parametrize(
+    "routes, reason",
+    [
+        (("health", "(request, timeout)"), "signature is (request), the fix was written for"),
+        (("healthz", "(request)"), "target dsv4_toy_http.healthz: not found upstream"),
+        (("health", "(request)", "application"), "dsv4_toy_http.application is not a FastAPI"),
+        (("checked", "(request)"), "target dsv4_toy_http.checked: no route of app serves it"),
+    ],
+)
+def test_taking_routes_is_refused_when_upstream_moved(monkeypatch, routes, reason):
+    from sglang_dsv4 import plugin
+    from sglang_dsv4.register import Routes
+
+    module = toy_http_module(monkeypatch)
+
+    async def checked(request):  # an endpoint no route serves
+        return None
+
+    module.checked = checked
+    found = plugin.precheck(routes_fix(Routes(*routes)))
+    assert found is not None and reason in found, found
+    assert all(r.endpoint is not checked_health for r in module.app.routes)

@@ -191,6 +191,7 @@ class Written:
     name: str  # its name there
     label: str  # for messages: "fix X: target T (function f)"
     replaces: bool  # True: takes the place of upstream's definition; False: added
+    takes_routes: object = None  # register.Routes of an added function serving an endpoint
 
     @property
     def in_class(self) -> bool:
@@ -692,16 +693,19 @@ class Outcome:
 
 def _written_functions(fix: Fix, tree: Tree) -> list[Written]:
     result = []
-    # (function, target, replaces an original): replacements first, then additions.
-    jobs = [(r.func, r.target, True) for r in fix.replaces]
-    jobs += [(a.func, a.target, False) for a in fix.adds]
-    for hooked, target, replaces in jobs:
+    # (function, target, replaces an original, routes it takes): replacements, then additions.
+    jobs = [(r.func, r.target, True, None) for r in fix.replaces]
+    jobs += [(a.func, a.target, False, a.takes_routes) for a in fix.adds]
+    for hooked, target, replaces, takes_routes in jobs:
         where = f"fix {fix.id}: target {target}"
         module, _, names = tree.split(target, where)
         func, node, source = _read_function(hooked, fix, target)
         label = f"{where} (function {func.__name__})"
         result.append(
-            Written(fix, hooked, func, node, source, module, names[:-1], names[-1], label, replaces)
+            Written(
+                fix, hooked, func, node, source, module, names[:-1], names[-1], label, replaces,
+                takes_routes=takes_routes,
+            )
         )
     return result
 
@@ -777,10 +781,28 @@ def _writer(w: Written, path: str, future: bool) -> Callable[[list], list]:
             raise ExportError(f"{w.label}: {path} already defines {w.name}; is the fix upstream?")
         if w.in_class:
             return body + [w.node.with_changes(leading_lines=[_blank()])]
+        if w.takes_routes:
+            return _take_routes(body, w, path)
         at_def, at_call = used_globals(w.source, w.func.__name__, future)
         return _insert_module_level(body, w, at_def | at_call)
 
     return edit
+
+
+def _take_routes(body: list, w: Written, path: str) -> list:
+    """Move the endpoint's route decorators onto `w`, written right after it (register.Routes)."""
+    endpoint = w.takes_routes.endpoint
+    index = _def_index(body, (cst.FunctionDef,), endpoint, w.label, path)
+    if index is None:
+        raise ExportError(f"{w.label}: the endpoint {endpoint} is not in {path}")
+    original = body[index]
+    if not original.decorators:
+        raise ExportError(f"{w.label}: {endpoint} in {path} has no route decorators to take")
+    body[index] = original.with_changes(decorators=[])
+    taken = w.node.with_changes(
+        decorators=list(original.decorators), leading_lines=[_blank(), _blank()]
+    )
+    return body[: index + 1] + [taken] + body[index + 1 :]
 
 
 def check_names(w: Written, patched: ast.Module, future: bool, tree: Tree) -> None:

@@ -21,6 +21,7 @@ at once (`sglang-dsv4 status`).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import pkgutil
@@ -135,6 +136,65 @@ def _check_add(add) -> str | None:
         return f"target {add.target}: cannot import its owner ({exc})"
     if existing is not None and existing is not add.func:
         return f"target {add.target}: upstream now defines it; is the fix upstream?"
+    return _check_routes(add) if add.takes_routes else None
+
+
+# --- HTTP routes an added function takes over (register.Routes) ---------------------------------
+
+
+def _endpoint_and_routes(add):
+    """(the upstream endpoint, its application's route list); None for what is not there."""
+    owner = pkgutil.resolve_name(add.owner)
+    app = getattr(owner, add.takes_routes.app, None)
+    routes = getattr(getattr(app, "router", None), "routes", None)
+    return getattr(owner, add.takes_routes.endpoint, None), routes
+
+
+def _serving(routes, func) -> list[str]:
+    return [route.path for route in routes if getattr(route, "endpoint", None) is func]
+
+
+def _check_routes(add) -> str | None:
+    taken = add.takes_routes
+    where = f"target {add.owner}.{taken.endpoint}"
+    endpoint, routes = _endpoint_and_routes(add)
+    if endpoint is None:
+        return f"{where}: not found upstream"
+    found = parameters_of(endpoint)
+    if found != taken.signature:
+        return f"{where}: signature is {found}, the fix was written for {taken.signature}"
+    if routes is None:
+        return f"{where}: {add.owner}.{taken.app} is not a FastAPI application"
+    if not (_serving(routes, endpoint) or _serving(routes, add.func)):
+        return f"{where}: no route of {taken.app} serves it"
+    return None
+
+
+def _route_to(route, func):
+    """The same route (class, path and every constructor argument it keeps) served by `func`."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    kept = {
+        name: getattr(route, name)
+        for name, param in inspect.signature(type(route).__init__).parameters.items()
+        if param.kind in named and name not in ("self", "path", "endpoint") and hasattr(route, name)
+    }
+    return type(route)(route.path, func, **kept)
+
+
+def _take_routes(add) -> None:
+    endpoint, routes = _endpoint_and_routes(add)
+    for index, route in enumerate(routes):
+        if getattr(route, "endpoint", None) is endpoint:
+            routes[index] = _route_to(route, add.func)
+
+
+def _verify_routes(add) -> str | None:
+    endpoint, routes = _endpoint_and_routes(add)
+    where = f"target {add.owner}.{add.takes_routes.endpoint}"
+    if left := _serving(routes, endpoint):
+        return f"{where}: routes {', '.join(left)} still serve it"
+    if not _serving(routes, add.func):
+        return f"{where}: no route serves {add.func.__name__}"
     return None
 
 
@@ -166,7 +226,9 @@ def _verify_add(add) -> str | None:
         _, _, current = resolve(add.target)
     except (ImportError, AttributeError, ValueError) as exc:
         return f"target {add.target}: {exc}"
-    return None if current is add.func else f"target {add.target}: not added"
+    if current is not add.func:
+        return f"target {add.target}: not added"
+    return _verify_routes(add) if add.takes_routes else None
 
 
 def verify(fix) -> str | None:
@@ -192,6 +254,8 @@ def _install(replaces, adds) -> str | None:
     for add in adds:
         owner, name, _ = resolve(add.target)
         setattr(owner, name, add.func)
+        if add.takes_routes:
+            _take_routes(add)
     if replaces:
         HookRegistry.apply_hooks()
     for reason in (*map(_verify_replace, replaces), *map(_verify_add, adds)):

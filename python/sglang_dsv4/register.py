@@ -31,11 +31,30 @@ class Replace:
 
 
 @dataclass(frozen=True)
+class Routes:
+    """The HTTP routes an added function takes over from an upstream endpoint.
+
+    FastAPI keeps the function a route was declared with, so replacing an endpoint in its module
+    changes nothing that is served. The added function serves the endpoint's routes instead and
+    calls the endpoint itself, so upstream's handler stays upstream's: the hook points the
+    application's routes at the added function, the patch moves the endpoint's route decorators
+    onto it.
+    """
+
+    endpoint: str  # the endpoint function's name in the Add's owner module
+    # Its parameters, as for Replace: the added function calls it with them.
+    signature: str
+    app: str = "app"  # the FastAPI application's name in that module
+
+
+@dataclass(frozen=True)
 class Add:
     """Add `func` (under its own name) to the upstream module or class `owner`."""
 
     owner: str  # dotted path of a module or a class
     func: Callable
+    # Set when `func` serves the routes of an upstream endpoint in `owner` (a module).
+    takes_routes: Routes | None = None
 
     @property
     def name(self) -> str:
