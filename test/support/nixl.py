@@ -200,12 +200,18 @@ class Sender:
 
 class FailingSocket:
     """The manager's real socket, except that recv raises a ZMQ error once `fail` is set, or
-    on every call once `broken` is set (a socket that stays broken)."""
+    on every call once `broken` is set (a socket that stays broken). With `keep_port` set, close
+    leaves the real socket bound, as when another process holds the port: re-binding fails."""
 
     def __init__(self, real: zmq.Socket):
         self.real = real
         self.fail = threading.Event()
         self.broken = threading.Event()
+        self.keep_port = threading.Event()
+
+    def close(self, *args, **kwargs):
+        if not self.keep_port.is_set():
+            self.real.close(*args, **kwargs)
 
     def recv_multipart(self):
         while True:

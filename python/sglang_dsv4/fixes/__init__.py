@@ -66,7 +66,15 @@ REGISTER: tuple[Entry, ...] = (
             _NIXL,
         ),
     ),
-    Entry("nixl-bootstrap-cascade", "sglang_dsv4.fixes.nixl_bootstrap_cascade", (_NIXL,)),
+    Entry(
+        "nixl-bootstrap-cascade",
+        "sglang_dsv4.fixes.nixl_bootstrap_cascade",
+        (
+            _NIXL,
+            "sglang.srt.managers.scheduler_components.internal_state",
+            "sglang.srt.entrypoints.http_server",
+        ),
+    ),
 )
 
 

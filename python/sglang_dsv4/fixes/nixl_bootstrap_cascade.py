@@ -5,6 +5,10 @@ Register entry
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_decode_listener_thread
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_node_failure (added)
                sglang.srt.disaggregation.nixl.conn.NixlKVManager.update_status (added)
+               sglang.srt.managers.scheduler_components.internal_state
+                 .SchedulerInternalStateController._add_disaggregation
+               sglang.srt.entrypoints.http_server.health_generate (its routes /health and
+                 /health_generate, taken by health_with_nixl_control_threads, added)
   Why:         One thread on each prefill rank receives everything decode ranks send (peer
                registrations, transfer info, ABORT, staging replies). In 0.5.23 any exception ends
                it: a foreign message fails the guard assert, a truncated or undecodable one raises
@@ -40,8 +44,23 @@ Register entry
                socket errors with nothing received between close the socket and bind a new one on
                the same port. The heartbeat fallback drops and disconnects the lost prefill's
                cached endpoints. control_thread_health() reports each thread's liveness, deaths,
-               last death and why it stopped (not yet wired into /health: upstream's /health
-               proves only that the scheduler answers a probe that bypasses NIXL).
+               last death, why it stopped, and `down`: stopped, or restarting in vain (3 deaths
+               in a row with no message served between them, the last within 30 s).
+               /health: upstream's probe answers 200 once any scheduler output arrives, over a
+               fake bootstrap that bypasses NIXL, so it cannot see these threads. The scheduler's
+               state readback (_add_disaggregation) now carries `nixl_control_threads`, the
+               health of every TP rank's threads (gathered over the TP group, which every rank
+               handles the request on; with DP attention each DP leader reports itself), and
+               /server_info shows it. /health and /health_generate of a PD server read it first
+               (get_internal_state, 5 s bound; no answer leaves it to upstream's probe) and
+               answer 503 with one line naming thread, engine rank, why and the last death
+               while a thread is down, mark the server UnHealthy (so /ready fails too, as for a
+               failed probe) and log it at ERROR once; when the threads serve again it logs so
+               and marks the server Up. Otherwise upstream's health_generate runs unchanged.
+               FastAPI keeps the function a route was declared with, so the new endpoint takes
+               the routes over (register.Routes: the hook re-points them, the patch moves the
+               decorators). Not covered: with --tokenizer-worker-num > 1, uvicorn's workers
+               import the app without loading plugins (the patched delivery covers them).
                Audit of the other long-lived NIXL connector threads: transfer_worker (prefill)
                already catches every exception per chunk and fails the room, no change;
                decode_listener_thread (decode) had no guard at all, fixed as above; the heartbeat
@@ -61,12 +80,16 @@ Register entry
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 import threading
 import time
 from collections import OrderedDict
 
 import zmq
+from fastapi import Request
+from fastapi.responses import Response
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
 from sglang.srt.disaggregation.common.staging_handler import (
@@ -82,12 +105,19 @@ from sglang.srt.disaggregation.nixl.conn import (
     logger,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.entrypoints.http_server import get_global_state, health_generate
+from sglang.srt.environ import envs
+from sglang.srt.managers.scheduler_components.internal_state import _DECODE_GRAPH_PHASES
+from sglang.srt.managers.tokenizer_manager import ServerStatus
+from sglang.srt.runtime_context import get_disagg, get_parallel
 from sglang.srt.utils.network import NetworkAddress, config_socket
 
-from sglang_dsv4.register import Add, Fix, Replace
+from sglang_dsv4.register import Add, Fix, Replace, Routes
 
 _CONN = "sglang.srt.disaggregation.nixl.conn"
 _MANAGER = f"{_CONN}.NixlKVManager"
+_HTTP = "sglang.srt.entrypoints.http_server"
+_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
 
 # --- written as they would stand in sglang/srt/disaggregation/nixl/conn.py ---------------------
@@ -257,6 +287,9 @@ def _run_control_thread(
             )
             deaths = self._count_control_thread_event(role, "death")
             state["last_death"], state["last_death_at"] = reason, time.time()
+            served = state["received"] != state["received_at_last_death"]
+            state["deaths_in_a_row"] = 1 if served else state["deaths_in_a_row"] + 1
+            state["received_at_last_death"] = state["received"]
             try:
                 failed = fail_waiting_rooms(reason)
             except Exception:
@@ -293,24 +326,57 @@ def _control_thread_state(self, role: str) -> dict:
     states = self.__dict__.setdefault("control_thread_states", {})
     return states.setdefault(
         role,
-        {"received": 0, "last_death": None, "last_death_at": None, "stopped": None},
+        {
+            "received": 0,
+            "last_death": None,
+            "last_death_at": None,
+            "stopped": None,
+            # Deaths with no message served between them, and `received` at the last one.
+            "deaths_in_a_row": 0,
+            "received_at_last_death": None,
+        },
     )
 
 
-def control_thread_health(self) -> dict:
+def control_thread_health(self, deaths_in_vain: int = 3, within_s: float = 30.0) -> dict:
     """Per control thread: alive, deaths (each followed by a restart), the last death's reason
-    and time, and why it stopped if it did; `healthy` is False once one is not running."""
+    and time, why it stopped if it did, and `down`: why it cannot serve, or None.
+
+    A thread is down when it has stopped, or when its restarts are in vain: `deaths_in_vain`
+    deaths in a row without a message served between them, the last within `within_s` (three
+    times the longest back-off, so a thread that has waited that long since is serving again).
+    `healthy` is False while one is down. Plain values only: read through get_internal_state.
+    """
     threads = {}
+    events = self.__dict__.get("control_thread_events", {})
     for role, state in dict(self.__dict__.get("control_thread_states", {})).items():
         thread = state.get("thread")
+        alive = thread is not None and thread.is_alive()
+        in_a_row = state["deaths_in_a_row"]
+        if not alive:
+            down = f"stopped: {state['stopped'] or 'the thread ended'}"
+        elif (
+            in_a_row >= deaths_in_vain
+            and state["received"] == state["received_at_last_death"]
+            and time.time() - state["last_death_at"] < within_s
+        ):
+            down = f"restarting in vain: died {in_a_row} times in a row without serving a message"
+        else:
+            down = None
         threads[role] = {
-            "alive": thread is not None and thread.is_alive(),
-            "deaths": self.__dict__.get("control_thread_events", {}).get((role, "death"), 0),
+            "alive": alive,
+            "down": down,
+            "deaths": events.get((role, "death"), 0),
+            "deaths_in_a_row": in_a_row,
             "last_death": state["last_death"],
             "last_death_at": state["last_death_at"],
             "stopped": state["stopped"],
         }
-    return {"healthy": all(t["alive"] for t in threads.values()), "threads": threads}
+    return {
+        "engine_rank": self.kv_args.engine_rank,
+        "healthy": not any(t["down"] for t in threads.values()),
+        "threads": threads,
+    }
 
 
 def _rebind_control_socket(self, role: str) -> bool:
@@ -697,6 +763,102 @@ def _handle_node_failure(self, failed_bootstrap_addr: str):
         )
 
 
+# --- written as they would stand in .../managers/scheduler_components/internal_state.py --------
+
+
+def _add_disaggregation(self, state) -> None:
+    # The PD role, the decode CUDA-graph batch sizes and their memory (what a router feeds back
+    # on a role switch), and the health of the NIXL control threads behind this scheduler.
+    scheduler = self.scheduler
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    if mode is None:
+        return  # init_disaggregation has not run yet
+    graph_gb = state["memory_usage"]["graph"]
+    state["disaggregation_mode"] = mode.value
+    state["decode_cuda_graph_bs"] = scheduler.tp_worker.get_decode_cuda_graph_bs()
+    decode_graphs_gb = sum(graph_gb[phase] for phase in _DECODE_GRAPH_PHASES)
+    state["decode_cuda_graph_memory_gb"] = round(decode_graphs_gb, 3)
+    nixl_control_threads = self._nixl_control_threads()
+    if nixl_control_threads is not None:
+        state["nixl_control_threads"] = nixl_control_threads
+
+
+def _nixl_control_threads(self) -> list | None:
+    """control_thread_health() of this scheduler's NIXL manager, one entry per rank that handles
+    this request, or None without a NIXL manager (another transfer backend, no PD).
+
+    Each TP rank runs its own control threads, and only rank 0 answers the tokenizer: without DP
+    attention every TP rank handles each control request in the same order (it is broadcast over
+    the TP group), so they all reach this gather. With DP attention each DP leader reports
+    itself."""
+    scheduler = self.scheduler
+    queue = scheduler.disagg_prefill_bootstrap_queue
+    if queue is None:
+        queue = scheduler.disagg_decode_prealloc_queue
+    health = getattr(getattr(queue, "kv_manager", None), "control_thread_health", None)
+    if health is None:
+        return None
+    mine = health()
+    group = scheduler.tp_group
+    if get_parallel().attn_dp_enabled or group.world_size == 1:
+        return [mine]
+    return group.all_gather_object(mine)
+
+
+# --- written as they would stand in sglang/srt/entrypoints/http_server.py ----------------------
+
+
+async def health_with_nixl_control_threads(request: Request) -> Response:
+    """`/health` and `/health_generate` of a PD server: 503, naming the thread, while a NIXL
+    control thread of a scheduler rank is down (stopped, or restarting in vain); otherwise
+    upstream's probe, health_generate."""
+    manager = get_global_state().tokenizer_manager
+    if (
+        get_disagg().disaggregation_mode != DisaggregationMode.NULL.value
+        and manager.server_status != ServerStatus.Starting
+        and not manager.gracefully_exit
+        and not envs.SGLANG_DIAG_BYPASS_HEALTH_GENERATE.get()
+    ):
+        down = await _nixl_control_threads_down(manager)
+        if down:
+            manager.server_status = ServerStatus.UnHealthy
+            return Response(content=down, status_code=503, media_type="text/plain")
+    return await health_generate(request)
+
+
+async def _nixl_control_threads_down(manager, timeout_s: float = 5.0) -> str | None:
+    """Why a NIXL control thread of a scheduler rank cannot serve (one line), or None.
+
+    Read through get_internal_state, bounded by `timeout_s`: a scheduler that does not answer
+    is left to health_generate's probe. A change is logged once; the server is marked Up again
+    when the threads it was marked UnHealthy for serve again."""
+    # The http server's logger under either delivery (this function's module differs).
+    log = logging.getLogger(health_generate.__module__)
+    try:
+        states = await asyncio.wait_for(manager.get_internal_state(), timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("Health check: no NIXL control-thread state within %.0f s", timeout_s)
+        return None
+    down = [
+        f"NIXL {role} thread on engine_rank={rank['engine_rank']} is {thread['down']}"
+        + (f" (last death: {thread['last_death']})" if thread["last_death"] else "")
+        for state in states
+        for rank in state.get("nixl_control_threads") or ()
+        for role, thread in rank["threads"].items()
+        if thread["down"]
+    ]
+    cause = "; ".join(down) or None
+    if cause != getattr(manager, "nixl_control_threads_down", None):
+        if cause:
+            log.error("Health check failed: %s", cause)
+        else:
+            log.info("Health check: the NIXL control threads serve again")
+            if manager.server_status == ServerStatus.UnHealthy:
+                manager.server_status = ServerStatus.Up
+        manager.nixl_control_threads_down = cause
+    return cause
+
+
 # --- the register entry ------------------------------------------------------------------------
 
 FIX = Fix(
@@ -717,7 +879,8 @@ FIX = Fix(
         "a failed room was stored silently, the decode behind a malformed message was never "
         "told, a refused decode registration let the peer's rooms go ready and fail only at the "
         "transfer, a raising metric ended the thread, a broken socket was never replaced, and "
-        "the heartbeat fallback kept a lost prefill's cached endpoints."
+        "the heartbeat fallback kept a lost prefill's cached endpoints, and /health stayed 200 "
+        "with a control thread gone (its probe bypasses NIXL and passes on any scheduler output)."
     ),
     how=(
         "Both control threads run one supervised loop that handles each message in its own try. "
@@ -740,7 +903,13 @@ FIX = Fix(
         "is recorded per peer (ERROR once per cause) and fails each of its rooms until it "
         "registers again; the metric and the death path cannot raise; a socket failing twice "
         "with nothing received is re-bound on its port; the heartbeat fallback drops the lost "
-        "prefill's cached endpoints; control_thread_health() reports liveness and last death."
+        "prefill's cached endpoints; control_thread_health() reports liveness, last death and "
+        "whether a thread is down (stopped, or 3 deaths in a row without serving a message). "
+        "The scheduler's state readback carries every TP rank's thread health "
+        "(nixl_control_threads, also in /server_info), and /health and /health_generate of a "
+        "PD server answer 503 with one line naming the thread, rank and cause while one is "
+        "down (server marked UnHealthy, ERROR logged once, Up again when they serve), then run "
+        "upstream's health_generate unchanged."
     ),
     upstream=(
         "not upstream; PR #30352 (ABORT handled in this thread) and PR #34692 (bootstrap "
@@ -754,18 +923,22 @@ FIX = Fix(
         "test/behaviour/test_nixl_bootstrap.py",
         "test/behaviour/test_pd_fail_fast.py",
         "test/behaviour/test_pd_two_process.py",
+        "test/behaviour/test_pd_health.py",
     ),
     targets=(
         f"{_MANAGER}._start_bootstrap_thread",
         f"{_MANAGER}._start_decode_listener_thread",
         f"{_MANAGER}._handle_node_failure",
         f"{_MANAGER}.update_status",
+        f"{_STATE}._add_disaggregation",
+        f"{_HTTP}.health_generate",
     ),
     replaces=(
         Replace(f"{_MANAGER}._start_bootstrap_thread", _start_bootstrap_thread, "(self)"),
         Replace(
             f"{_MANAGER}._start_decode_listener_thread", _start_decode_listener_thread, "(self)"
         ),
+        Replace(f"{_STATE}._add_disaggregation", _add_disaggregation, "(self, state)"),
     ),
     adds=(
         Add(_CONN, _describe_nixl_control_message),
@@ -796,6 +969,13 @@ FIX = Fix(
         Add(_MANAGER, _on_room_failed),
         Add(_MANAGER, _record_failed_registration),
         Add(_MANAGER, _transfer_info_refusal),
+        Add(_STATE, _nixl_control_threads),
+        Add(
+            _HTTP,
+            health_with_nixl_control_threads,
+            takes_routes=Routes("health_generate", "(request)"),
+        ),
+        Add(_HTTP, _nixl_control_threads_down),
     ),
     imports={
         _CONN: (
