@@ -229,7 +229,11 @@ def test_a_stopped_control_thread_makes_the_server_unhealthy(serve, agents, role
     assert tokenizer.probes == 0  # refused before upstream's probe
     assert tokenizer.server_status == ServerStatus.UnHealthy
     assert ready.status_code == 503  # upstream's /ready follows the server status
-    errors = [r.getMessage() for r in http_logs.records if r.levelno == logging.ERROR]
+    errors = [
+        r.getMessage()
+        for r in http_logs.records
+        if r.name == HTTP_LOGGER and r.levelno == logging.ERROR
+    ]
     assert errors == [f"Health check failed: {health.text}"]
 
 
