@@ -115,18 +115,23 @@ def _cell(cell):
 # --- one target: check, install, verify ---------------------------------------------------------
 
 
+def _moved(target: str, original, signature: str) -> str | None:
+    """Why upstream's `original` (None: absent) is not what a fix written for `signature` needs."""
+    if original is None:
+        return f"target {target}: not found upstream"
+    found = parameters_of(original)
+    if found != signature:
+        return f"target {target}: signature is {found}, the fix was written for {signature}"
+    return None
+
+
 def _check_replace(rep) -> str | None:
     """Why the replacement cannot be installed on this upstream tree, or None."""
     try:
         _, _, original = resolve(rep.target)
     except (ImportError, AttributeError, ValueError) as exc:
         return f"target {rep.target}: cannot import its owner ({exc})"
-    if original is None:
-        return f"target {rep.target}: not found upstream"
-    found = parameters_of(original)
-    if found != rep.signature:
-        return f"target {rep.target}: signature is {found}, the fix was written for {rep.signature}"
-    return None
+    return _moved(rep.target, original, rep.signature)
 
 
 def _check_add(add) -> str | None:
@@ -156,13 +161,11 @@ def _serving(routes, func) -> list[str]:
 
 def _check_routes(add) -> str | None:
     taken = add.takes_routes
-    where = f"target {add.owner}.{taken.endpoint}"
+    target = f"{add.owner}.{taken.endpoint}"
+    where = f"target {target}"
     endpoint, routes = _endpoint_and_routes(add)
-    if endpoint is None:
-        return f"{where}: not found upstream"
-    found = parameters_of(endpoint)
-    if found != taken.signature:
-        return f"{where}: signature is {found}, the fix was written for {taken.signature}"
+    if moved := _moved(target, endpoint, taken.signature):
+        return moved
     if routes is None:
         return f"{where}: {add.owner}.{taken.app} is not a FastAPI application"
     if not (_serving(routes, endpoint) or _serving(routes, add.func)):
