@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_dsv4 import UPSTREAM_PIN, cli, export
-from sglang_dsv4.register import Add, Fix, Replace
+from sglang_dsv4 import UPSTREAM_PIN, cli
+from sglang_dsv4.fix import Add, Fix, Replace
+from sglang_dsv4.maintain import export, formatting, upstream
 
 TOY = "sglang.srt.dsv4_export_toy"
 MESSY = "sglang.srt.dsv4_export_messy"
@@ -353,7 +354,7 @@ def test_toy_series_has_git_format_patch_shape(toy):
     assert "new file mode" not in text
     lines = text.splitlines()
     assert lines[0] == "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001"
-    assert lines[1] == f"From: {export.AUTHOR_NAME} <{export.AUTHOR_EMAIL}>"
+    assert lines[1] == f"From: {upstream.AUTHOR_NAME} <{upstream.AUTHOR_EMAIL}>"
     assert lines[2].startswith("Date: ") and "2026" in lines[2]
     assert lines[3] == f"Subject: [PATCH 2/2] {fix.area}: {fix.title}"
     for field in ("Why: ", "How: ", "Origin: ", "Forwarded: no", "Applied-Upstream: no"):
@@ -402,7 +403,7 @@ def test_toy_series_writes_the_functions_where_they_belong(toy):
     assert "from sglang.srt.dsv4_toy_ops import triple" in patched
     assert "dsv4_toy_kernels" not in patched
     # formatted as upstream formats: ruff (black style, 88 columns) finds nothing to change
-    formatted = export._ruff(["format", "--line-length=88"], patched, toy.python)
+    formatted = formatting._ruff(["format", "--line-length=88"], patched, toy.python)
     assert formatted == patched
 
 
@@ -477,7 +478,7 @@ def checked_health(request):
 
 
 def test_an_endpoint_taking_upstreams_routes_gets_its_route_decorators(tmp_path, monkeypatch):
-    from sglang_dsv4.register import Routes
+    from sglang_dsv4.fix import Routes
 
     python = write_tree(tmp_path / "upstream", {HTTP: HTTP_SOURCE})
     load(HTTP, python / "sglang/srt/dsv4_export_http.py", monkeypatch)
@@ -526,7 +527,7 @@ def test_only_what_the_series_writes_changes(toy):
     )
     # the declared import binds the name in the patch, but the fix module lacks it: the runtime
     # hook would raise NameError, so the export refuses
-    with pytest.raises(export.ExportError, match="WEIGHTS_OF_TOTAL is not bound in dsv4_toy_fix"):
+    with pytest.raises(upstream.ExportError, match="WEIGHTS_OF_TOTAL is not bound in dsv4_toy_fix"):
         toy.export([fix])
     toy.fix.WEIGHTS_OF_TOTAL = toy.upstream.SCALE
     (outcome,) = toy.export([fix])
@@ -546,7 +547,7 @@ def test_source_edited_after_import_is_refused(toy):
     # the hook runs what was imported; a patch from an edited file would be another change
     path = toy.tmp / "dsv4_toy_fix.py"
     path.write_text(path.read_text().replace("turns * 1000", "turns * 100"))
-    with pytest.raises(export.ExportError, match="no longer holds the ring_length this process"):
+    with pytest.raises(upstream.ExportError, match="no longer holds the ring_length this process"):
         toy.export([toy.main_fix()])
 
 
@@ -573,8 +574,8 @@ def test_stale_patches_are_removed_from_out(toy):
 
 def test_tree_of_another_version_is_refused(tmp_path, capsys):
     write_tree(tmp_path / "old", {}, version="0.5.22")
-    with pytest.raises(export.ExportError) as exc:
-        export.upstream_python_dir(tmp_path / "old")
+    with pytest.raises(upstream.ExportError) as exc:
+        upstream.upstream_python_dir(tmp_path / "old")
     assert "sglang 0.5.22" in str(exc.value) and f"pinned to {UPSTREAM_PIN}" in str(exc.value)
     rc = cli.main(
         ["export-patches", "--out", str(tmp_path / "o"), "--upstream-src", str(tmp_path / "old")]
@@ -585,12 +586,12 @@ def test_tree_of_another_version_is_refused(tmp_path, capsys):
 
 
 def test_tree_without_sglang_or_version_is_refused(tmp_path):
-    with pytest.raises(export.ExportError, match="holds no upstream sglang source"):
-        export.upstream_python_dir(tmp_path)
+    with pytest.raises(upstream.ExportError, match="holds no upstream sglang source"):
+        upstream.upstream_python_dir(tmp_path)
     python = write_tree(tmp_path / "t", {})
     (python / "sglang" / "_version.py").unlink()
-    with pytest.raises(export.ExportError, match="cannot tell which sglang version"):
-        export.upstream_python_dir(tmp_path / "t")
+    with pytest.raises(upstream.ExportError, match="cannot tell which sglang version"):
+        upstream.upstream_python_dir(tmp_path / "t")
 
 
 @pytest.mark.parametrize(
@@ -612,7 +613,7 @@ def test_tree_without_sglang_or_version_is_refused(tmp_path):
 )
 def test_missing_target_names_fix_and_target(toy, target, message):
     fix = toy_fix("toy-x", replaces=(Replace(target, toy.fix.ring_length, "(self, turns)"),))
-    with pytest.raises(export.ExportError, match=message):
+    with pytest.raises(upstream.ExportError, match=message):
         toy.export([fix])
 
 
@@ -620,7 +621,7 @@ def test_name_that_does_not_resolve_upstream_is_refused(toy):
     fix = toy_fix(
         "toy-x", replaces=(Replace(f"{TOY}.Ring.length", toy.fix.uses_unknown, "(self, turns)"),)
     )
-    with pytest.raises(export.ExportError) as exc:
+    with pytest.raises(upstream.ExportError) as exc:
         toy.export([fix])
     message = str(exc.value)
     assert "fix toy-x" in message and "function uses_unknown" in message
@@ -634,7 +635,7 @@ def test_name_bound_to_another_object_than_upstream_is_refused(toy):
     source.write_text(source.read_text() + "\n\nclass Ring2:\n    pass\n")
     fix = toy_fix("toy-x", adds=(Add(TOY, toy.fix.uses_other_ring),))
     with pytest.raises(
-        export.ExportError, match="name Ring2 is a different object in dsv4_toy_fix"
+        upstream.ExportError, match="name Ring2 is a different object in dsv4_toy_fix"
     ):
         toy.export([fix])
 
@@ -647,7 +648,7 @@ def test_type_checking_imports_do_not_count_as_bound(toy):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fix = toy_fix("toy-x", adds=(Add(TOY, module.uses_ordered),))
-    with pytest.raises(export.ExportError, match="name OrderedDict does not resolve"):
+    with pytest.raises(upstream.ExportError, match="name OrderedDict does not resolve"):
         toy.export([fix])
 
 
@@ -655,13 +656,13 @@ def test_zero_argument_super_is_refused_in_methods(toy):
     fix = toy_fix(
         "toy-x", replaces=(Replace(f"{TOY}.Ring.__init__", toy.fix.calls_super, "(self, radius)"),)
     )
-    with pytest.raises(export.ExportError, match="fix toy-x: .*zero-argument super"):
+    with pytest.raises(upstream.ExportError, match="fix toy-x: .*zero-argument super"):
         toy.export([fix])
 
 
 def test_adding_a_name_upstream_already_has_is_refused(toy):
     fix = toy_fix("toy-x", adds=(Add(TOY, toy.fix.area),))
-    with pytest.raises(export.ExportError, match="already defines area; is the fix upstream"):
+    with pytest.raises(upstream.ExportError, match="already defines area; is the fix upstream"):
         toy.export([fix])
 
 
@@ -672,7 +673,7 @@ def test_uncarried_distribution_import_is_refused(toy):
         imports={TOY: ("from dsv4_toy_kernels.ops import triple",)},
     )
     with pytest.raises(
-        export.ExportError, match="imports dsv4_toy_kernels.ops, which upstream's tree lacks"
+        upstream.ExportError, match="imports dsv4_toy_kernels.ops, which upstream's tree lacks"
     ):
         toy.export([fix])
 
@@ -709,8 +710,8 @@ def test_missing_download_is_one_clear_error(tmp_path, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def pinned_upstream() -> Path:
     try:
-        return export.upstream_python_dir(None)
-    except export.ExportError as exc:
+        return upstream.upstream_python_dir(None)
+    except upstream.ExportError as exc:
         pytest.fail(str(exc))  # CI has the registry; without it this proof cannot run
 
 
@@ -729,7 +730,7 @@ def test_real_series_is_deterministic_applies_and_carries_every_function(pinned_
 
     names = export.apply_series(tmp_path / "first", pinned_upstream, tmp_path / "tree")
     assert names == [name for o in first for name in o.patches]
-    subjects = export.git(["log", "--reverse", "--format=%s"], tmp_path / "tree").splitlines()
+    subjects = upstream.git(["log", "--reverse", "--format=%s"], tmp_path / "tree").splitlines()
     expected = [f"upstream sglang {UPSTREAM_PIN}"]
     for f in exported:
         if f.new_files:

@@ -22,7 +22,14 @@ PY = sys.executable
 REFUSAL = "sglang-dsv4: refusing to run: "
 
 
-def run_py(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+# A hang guard for a fresh interpreter importing sglang (and, for some cases, a spawned child
+# doing it again): about 30 s on a quiet machine, past 300 s on a loaded one. Not a speed bound.
+HANG_GUARD_S = 900
+
+
+def run_py(
+    code: str, env: dict | None = None, timeout: int = HANG_GUARD_S
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [PY, "-c", textwrap.dedent(code)],
@@ -55,7 +62,7 @@ def test_upstream_loader_discovers_plugin_and_patches_every_target():
         eps = [ep.value for ep in entry_points(group="sglang.srt.plugins") if ep.name == "dsv4_sm120"]
         from sglang.srt.plugins import load_plugins
         load_plugins()
-        from sglang_dsv4 import plugin
+        from sglang_dsv4 import hooks, plugin
         # Start-up imports no fix module and none of the upstream modules they hook.
         heavy_after_load = [m for m in {HEAVY!r} if m in sys.modules]
         after_load = {{k: v.status for k, v in plugin.STATE.items()}}
@@ -70,7 +77,7 @@ def test_upstream_loader_discovers_plugin_and_patches_every_target():
             found = []
             for fix in FIXES:
                 for rep in fix.replaces:
-                    _, _, current = plugin.resolve(rep.target)
+                    _, _, current = hooks.resolve(rep.target)
                     original = getattr(current, "__wrapped__", None)
                     # No module may keep a `from X import Y` binding of the original.
                     for name, mod in list(sys.modules.items()):
@@ -86,7 +93,7 @@ def test_upstream_loader_discovers_plugin_and_patches_every_target():
             "after_pool": after_pool,
             "bf16_storage": bf16_storage,
             "state": {{k: v.status for k, v in plugin.STATE.items()}},
-            "verify": {{f.id: plugin.verify(f) for f in FIXES if f.implemented}},
+            "verify": {{f.id: hooks.verify(f) for f in FIXES if f.implemented}},
             "stale": stale,
         }}))
         """
@@ -125,6 +132,30 @@ def test_register_names_every_fix_module_and_the_upstream_modules_of_its_targets
         assert holding == set(entry.upstream_modules), (fix.id, "a listed module holds no target")
 
 
+def test_each_fix_modules_docstring_opens_with_its_register_text():
+    # One source: the Fix. The docstring is rendered from it (python -m sglang_dsv4.fix).
+    import importlib
+
+    from sglang_dsv4.fix import docstring_problem, register_text
+    from sglang_dsv4.fixes import REGISTER
+
+    for entry in REGISTER:
+        module = importlib.import_module(entry.module)
+        assert docstring_problem(module.FIX, module.__doc__) is None, entry.module
+        text = register_text(module.FIX)
+        for field in ("Target:", "Why:", "How:", "Upstream:", "Remove when:"):
+            assert f"\n  {field}" in text
+
+
+def test_a_docstring_that_drifted_from_its_fix_is_named():
+    from sglang_dsv4.fix import docstring_problem, register_text
+
+    fix = FIXES[0]
+    drifted = register_text(fix).replace(fix.remove_when.split()[0], "someday", 1)
+    assert docstring_problem(fix, drifted) is not None
+    assert docstring_problem(fix, register_text(fix) + "\nMore notes.\n") is None
+
+
 BROKEN_TARGET_LAUNCH = """
     import runpy, sys
     {prepare}
@@ -151,7 +182,7 @@ def test_fix_written_for_another_signature_stops_launch_server():
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "SERVER START WAS NOT STOPPED" not in proc.stdout
     line = last_line(proc.stderr)
-    assert line.startswith(REFUSAL + "fix deliberately-broken: target "), line
+    assert line.startswith(REFUSAL + "fix broken-fix: target "), line
     assert "get_swa_ring_size: signature is (sliding_window, is_speculative=False)" in line
     assert "written for (sliding_window)" in line
 
@@ -183,7 +214,7 @@ def test_fix_checked_when_a_scheduler_imports_its_target_stops_that_scheduler_lo
     assert "LAUNCHER: Rank 0 scheduler died during initialization (exit code: 1)" in proc.stdout
     refusals = [ln for ln in proc.stderr.splitlines() if ln.startswith(REFUSAL)]
     assert len(refusals) == 1, proc.stderr[-3000:]
-    assert refusals[0].startswith(REFUSAL + "fix deliberately-broken: target "), refusals[0]
+    assert refusals[0].startswith(REFUSAL + "fix broken-fix: target "), refusals[0]
     assert "written for (sliding_window)" in refusals[0]
 
 
@@ -207,7 +238,7 @@ def test_fix_failing_on_an_import_in_another_thread_stops_the_whole_process():
     )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "PROCESS WENT ON" not in proc.stdout
-    assert last_line(proc.stderr).startswith(REFUSAL + "fix deliberately-broken: target ")
+    assert last_line(proc.stderr).startswith(REFUSAL + "fix broken-fix: target ")
 
 
 @pytest.mark.parametrize("fix", [f for f in FIXES if f.replaces], ids=lambda f: f.id)
@@ -215,8 +246,8 @@ def test_real_fix_with_moved_target_stops_launch_server(fix):
     # Upstream "moves": the first target of a real fix gets a different signature before plugins load.
     target = fix.replaces[0].target
     prepare = f"""
-    from sglang_dsv4 import plugin
-    owner, name, _ = plugin.resolve({target!r})
+    from sglang_dsv4 import hooks
+    owner, name, _ = hooks.resolve({target!r})
     def moved(self_or_arg, *, renamed_parameter=None):
         return None
     setattr(owner, name, moved)
@@ -264,7 +295,7 @@ def test_bad_index_k_dtype_stops_launch_server_listing_allowed_values():
         capture_output=True,
         text=True,
         env={**os.environ, "SGLANG_DSV4_INDEX_K_DTYPE": "int8"},
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 1
     assert "usage:" not in proc.stdout
@@ -275,7 +306,7 @@ def test_bad_index_k_dtype_stops_launch_server_listing_allowed_values():
 
 def test_launch_server_help_still_works_with_the_distribution_installed():
     proc = subprocess.run(
-        [PY, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=300
+        [PY, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--model-path" in proc.stdout
@@ -283,7 +314,7 @@ def test_launch_server_help_still_works_with_the_distribution_installed():
 
 def test_status_json_lists_the_five_changes():
     proc = subprocess.run(
-        [PY, "-m", "sglang_dsv4", "status", "--json"], capture_output=True, text=True, timeout=300
+        [PY, "-m", "sglang_dsv4", "status", "--json"], capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Upstream's import-time noise stays out of the command line (a server keeps it).
@@ -297,6 +328,7 @@ def test_status_json_lists_the_five_changes():
         "index-k-transfer-gate",
         "host-mirror-geometry",
         "nixl-bootstrap-cascade",
+        "nixl-control-health",
     ]
     for item in report["fixes"]:
         assert isinstance(item["applied"], bool)
@@ -315,7 +347,7 @@ def test_status_strict_fails_when_the_plugin_is_excluded():
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
@@ -323,7 +355,7 @@ def test_status_strict_fails_when_the_plugin_is_excluded():
     assert {f["status"] for f in report["fixes"]} == {"not loaded"}
 
 
-# --- an added endpoint taking an upstream endpoint's routes (register.Routes) -------------------
+# --- an added endpoint taking an upstream endpoint's routes (fix.Routes) -------------------
 
 
 def toy_http_module(monkeypatch):
@@ -358,24 +390,24 @@ async def checked_health(request: Request):  # FastAPI reads the annotation
 
 
 def routes_fix(routes):
-    from sglang_dsv4.register import Add, Fix
+    from sglang_dsv4.fix import Add, Fix
 
     add = Add("dsv4_toy_http", checked_health, takes_routes=routes)
     return Fix("toy", "t", "test", "w", "h", "not upstream", "never", (), adds=(add,))
 
 
 def test_an_added_endpoint_serves_the_routes_it_takes_and_calls_upstreams(monkeypatch):
-    from sglang_dsv4 import plugin
-    from sglang_dsv4.register import Routes
+    from sglang_dsv4 import hooks
+    from sglang_dsv4.fix import Routes
     from starlette.testclient import TestClient
 
     module = toy_http_module(monkeypatch)
     order = [r.path for r in module.app.routes]
     before = {r.path: r for r in module.app.routes if r.path.startswith("/health")}
     fix = routes_fix(Routes("health", "(request)"))
-    assert plugin.precheck(fix) is None
-    assert plugin._install([], list(fix.adds)) is None
-    assert plugin.verify(fix) is None
+    assert hooks.precheck(fix) is None
+    assert hooks.install([], list(fix.adds)) is None
+    assert hooks.verify(fix) is None
 
     client = TestClient(module.app)
     assert client.get("/health").json() == {"answered_by": "upstream", "path": "/health"}
@@ -403,8 +435,8 @@ def test_an_added_endpoint_serves_the_routes_it_takes_and_calls_upstreams(monkey
     ],
 )
 def test_taking_routes_is_refused_when_upstream_moved(monkeypatch, routes, reason):
-    from sglang_dsv4 import plugin
-    from sglang_dsv4.register import Routes
+    from sglang_dsv4 import hooks
+    from sglang_dsv4.fix import Routes
 
     module = toy_http_module(monkeypatch)
 
@@ -412,6 +444,6 @@ def test_taking_routes_is_refused_when_upstream_moved(monkeypatch, routes, reaso
         return None
 
     module.checked = checked
-    found = plugin.precheck(routes_fix(Routes(*routes)))
-    assert found is not None and reason in found, found
+    found = hooks.precheck(routes_fix(Routes(*routes)))
+    assert found is not None and reason in str(found), found
     assert all(r.endpoint is not checked_health for r in module.app.routes)

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_dsv4 import export, rebase_check
-from sglang_dsv4.rebase_check import ALREADY, BROKEN, NEEDED
+from sglang_dsv4.maintain import rebase_check, upstream
+from sglang_dsv4.maintain.rebase_check import ALREADY, BROKEN, NEEDED
 
 REPO = Path(__file__).resolve().parents[1]
 PREVIOUS_RELEASE = "0.5.22"
@@ -32,7 +32,7 @@ def series(tmp_path_factory) -> rebase_check.Series:
 
 @pytest.fixture(scope="module")
 def pinned() -> Path:
-    return export.upstream_python_dir(None)
+    return upstream.upstream_python_dir(None)
 
 
 def copy_tree(python_dir: Path, dest: Path) -> Path:
@@ -146,8 +146,8 @@ def _upstream_parameter_names(python_dir: Path, target: str) -> list[str] | None
 
 def test_previous_release_verdicts_follow_its_source(series, capsys):
     try:
-        previous = export.fetch_upstream(PREVIOUS_RELEASE)
-    except export.ExportError as exc:
+        previous = upstream.fetch_upstream(PREVIOUS_RELEASE)
+    except upstream.ExportError as exc:
         pytest.fail(str(exc))  # CI reaches the package index; without it this proof cannot run
 
     assert rebase_check.register()  # the pin's register, read in this process
@@ -197,4 +197,32 @@ def test_unknown_fix_and_missing_tree_are_one_line_errors(tmp_path, capsys):
     assert "holds no upstream sglang source" in proc.stderr
 
     with pytest.raises(rebase_check.RebaseCheckError, match="no fix with id not-a-fix"):
-        rebase_check.check(export.fetch_pinned_upstream(), only=["not-a-fix"], tests=False)
+        rebase_check.check(upstream.fetch_pinned_upstream(), only=["not-a-fix"], tests=False)
+
+
+def test_a_tree_that_defines_what_a_fix_adds_is_already_upstream(pinned, series, tmp_path):
+    # Upstream "merged" the byte rule: the pool module defines the function index-k-bf16 adds.
+    tree = copy_tree(pinned, tmp_path / "python")
+    pool = tree / "sglang/srt/mem_cache/deepseek_v4_memory_pool.py"
+    pool.write_text(
+        pool.read_text() + "\n\ndef dsv4_index_k_bytes_per_token(index_head_dim, index_k_dtype):\n"
+        "    return 2 * index_head_dim\n"
+    )
+    verdict = verdicts_of(tree, series)["index-k-bf16"]
+    assert verdict.verdict == ALREADY, verdict
+    assert verdict.evidence.startswith(
+        "target sglang.srt.mem_cache.deepseek_v4_memory_pool.dsv4_index_k_bytes_per_token: "
+        "upstream now defines it"
+    )
+    assert verdict.remove
+
+
+def test_already_upstream_is_decided_by_the_kind_of_reason_not_its_words():
+    from sglang_dsv4.hooks import Problem, Reason
+
+    fix = next(fix for fix, _ in rebase_check.register() if fix.id == "index-k-bf16")
+    words = "target x.y: upstream now defines it; is the fix upstream?"
+    for problem, expected in ((Problem.UPSTREAM_DEFINES, ALREADY), (Problem.NOT_FOUND, BROKEN)):
+        fact = rebase_check.FixFacts(fix.id, "m", fix.tests, ["p.patch"])
+        fact.precheck = Reason(problem, words)
+        assert rebase_check.decide(fix, fact, "9.9.9", tests_run=False).verdict == expected

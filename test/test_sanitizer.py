@@ -1,32 +1,21 @@
-"""The KV / index-K sanitizer (SGLANG_DSV4_SANITIZE=1): each fault injected, each caught by kind.
+"""The sanitizer's checks: each fault injected on real upstream objects, each caught by kind.
 
 Real upstream objects on the CPU: DeepSeekV4TokenToKVPool built by upstream's configurator chain
 (test/support/dsv4.py), upstream's PagedTokenToKVPoolAllocator (the allocator a DeepSeek-V4
-scheduler uses) and ReqToTokenPool. In this process the Sanitizer's checks are called where its
-hooks call them (the plugin in this test session runs with the sanitizer off); one child process
-turns it on and drives the hooked upstream methods themselves.
+scheduler uses) and ReqToTokenPool (test/support/sanitizer.py). The Sanitizer's checks are called
+where its hooks call them (the plugin in this test session runs with the sanitizer off);
+test_sanitizer_hooks.py drives the hooks themselves.
 """
 
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from sgl_kernel_dsv4.index_logits import bf16_paged_mqa_logits
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang_dsv4 import sanitizer, settings
+from sglang_dsv4 import sanitizer
 from sglang_dsv4.sanitizer import Sanitizer, c4_layers, page_checksums
 from support.dsv4 import small_pool
-
-ROOT = Path(__file__).resolve().parents[1]
-PAGE = 256  # full tokens per page
-C4_PER_PAGE = PAGE // 4  # c4 slots per page
-HEADS, DIM = 64, 128
+from support.sanitizer import DIM, HEADS, PAGE, Server, kinds, make_server
 
 
 @pytest.fixture(scope="module")
@@ -37,98 +26,9 @@ def pool():
     torch.set_num_threads(threads)
 
 
-class Server:
-    """One scheduler's memory objects and the sanitizer fed as its hooks feed it."""
-
-    def __init__(self, pool, sample=1.0, action="log"):
-        self.pool = pool
-        self.alloc = PagedTokenToKVPoolAllocator(
-            pool.full_size,
-            page_size=PAGE,
-            dtype=torch.float8_e4m3fn,
-            device="cpu",
-            kvcache=pool,
-            need_sort=False,
-        )
-        self.rows = ReqToTokenPool(
-            size=4, max_context_len=4096, device="cpu", enable_memory_saver=False
-        )
-        self.san = Sanitizer(sample=sample, action=action, seed=0)
-        self.san.track(self.alloc)
-        self.layer = c4_layers(pool)[0]
-        self.lens: dict[int, int] = {}
-
-    def start(self, tokens: int, written: int | None = None, req=None) -> int:
-        """A request of `tokens` tokens: a row, pages, its row written, and keys for its first
-        `written` c4 positions (all by default)."""
-        (row,) = self.rows.alloc_rows(1)
-        self.san.on_rows([req], [row])
-        zero = torch.tensor([0])
-        slots = self.alloc.alloc_extend(
-            zero, zero, torch.tensor([tokens]), torch.tensor([tokens]), torch.tensor([-1]), tokens
-        )
-        self.san.on_alloc(self.alloc, slots, torch.tensor([-1]))
-        self.rows.write((row, slice(0, tokens)), slots.to(torch.int32))
-        self.san.on_row_write((row, slice(0, tokens)), slots, PAGE)
-        self.lens[row] = tokens
-        self.write_keys(row, range(tokens // 4 if written is None else written))
-        return row
-
-    def c4_slots(self, row: int, positions) -> torch.Tensor:
-        pages = self.rows.req_to_token[row, ::PAGE].to(torch.int64) // PAGE
-        positions = torch.as_tensor(list(positions), dtype=torch.int64)
-        return pages[positions // C4_PER_PAGE] * C4_PER_PAGE + positions % C4_PER_PAGE
-
-    def write_keys(self, row: int, positions, seed: int = 0) -> None:
-        slots = self.c4_slots(row, positions)
-        gen = torch.Generator().manual_seed(seed + row)
-        keys = torch.randn(len(slots), DIM, generator=gen).to(torch.bfloat16)
-        self.pool.set_index_k_bf16(self.layer, slots.to(torch.int32), keys)
-        self.san.on_index_k_write(self.pool, self.layer, slots)
-
-    def finish(self, row: int) -> None:
-        tokens = self.lens.pop(row)
-        self.alloc.free(self.rows.req_to_token[row, :tokens].to(torch.int64))
-        self.rows.free_rows([row])
-        self.san.on_rows_freed([row])
-
-    def page_table(self, rows) -> torch.Tensor:
-        width = max(-(-self.lens.get(r, PAGE) // PAGE) for r in rows)
-        return torch.stack([self.rows.req_to_token[r, ::PAGE][:width] // PAGE for r in rows])
-
-    def read(self, rows, picks=None, page_table=None) -> int:
-        """One decode step's indexer read of `rows`; picks: c4 positions top-k selected per row."""
-        table = self.page_table(rows) if page_table is None else page_table
-        lens = torch.tensor([self.lens.get(r, PAGE) // 4 for r in rows])
-        if picks is None:
-            picks = [range(0, int(n), 3) for n in lens]
-        width = max(len(p) for p in picks)
-        selected = torch.full((len(rows), width), -1, dtype=torch.int64)
-        for i, p in enumerate(picks):
-            pages = table[i].to(torch.int64)
-            pos = torch.as_tensor(list(p), dtype=torch.int64)
-            selected[i, : len(pos)] = pages[pos // C4_PER_PAGE] * C4_PER_PAGE + pos % C4_PER_PAGE
-        return self.san.check_read(self.pool, self.layer, torch.tensor(rows), table, lens, selected)
-
-
-def kinds(san: Sanitizer) -> dict:
-    return {k: n for k, n in san.counts.items() if n}
-
-
-# Hooks are wired in the plugin process through the same (self, result) calls as in Server.
-# The allocator's own free path is hooked at _release_page_ids; mirror it here.
 @pytest.fixture
 def server(pool, monkeypatch):
-    srv = Server(pool)
-    release = PagedTokenToKVPoolAllocator._release_page_ids
-
-    def released(alloc_self, *page_ids):
-        for ids in page_ids:
-            srv.san.on_release(alloc_self, ids)
-        return release(alloc_self, *page_ids)
-
-    monkeypatch.setattr(srv.alloc, "_release_page_ids", released.__get__(srv.alloc))
-    return srv
+    return make_server(pool, monkeypatch)
 
 
 def test_clean_alloc_free_write_read_cycles_report_zero(server):
@@ -172,10 +72,11 @@ def test_double_allocate_is_double_owner(server):
     live_page = int(server.rows.req_to_token[a, 0]) // PAGE
     # The fault: the allocator's free list gets a page that is still in use.
     server.alloc.free_pages = torch.cat((torch.tensor([live_page]), server.alloc.free_pages))
-    server.start(200)
+    b = server.start(200)
     (v,) = server.san.violations
     assert (v.kind, v.page) == ("double_owner", live_page)
-    assert v.request == f"row {a}" and "held by rows" in v.found
+    # The receiver is the request named (and aborted); the earlier holder is named as such.
+    assert v.request == f"row {b}" and f"held by row {a}" in v.found
 
 
 def test_row_pointing_at_another_requests_page_is_foreign(server):
@@ -195,6 +96,30 @@ def test_unwritten_slot_selected_is_unwritten_read(server):
     (v,) = server.san.violations
     assert (v.kind, v.layer) == ("unwritten_read", server.layer)
     assert v.slot == int(server.c4_slots(row, [200])[0]) and v.found == "poison (never written)"
+
+
+def test_pd_warmup_request_reads_unwritten_keys_by_design_and_is_not_reported(server):
+    """Upstream's PD warm-up decodes a request whose KV no prefill sends (FAKE_BOOTSTRAP_HOST):
+    its unwritten reads are by design. A real request reading the same is still reported, and the
+    warm-up's page ownership is still checked."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    def req(rid, host):
+        return Req(rid, "", [1, 2, 3], SamplingParams(max_new_tokens=1), bootstrap_host=host)
+
+    warmup_req, real_req = req("warmup", FAKE_BOOTSTRAP_HOST), req("real", "10.0.0.2")
+    warmup = server.start(600, written=0, req=warmup_req)
+    real = server.start(600, written=0, req=real_req)
+    assert server.read([warmup], picks=[range(0, 40)]) == 0
+    assert server.san.checked["fake_transfer_rows"] == 1
+    assert server.read([real], picks=[range(0, 40)]) == 1
+    assert server.san.violations[0].request == f"real (row {real})"
+    table = server.page_table([warmup, real])
+    table[0, 0] = table[1, 0]  # the warm-up's row names the real request's page
+    assert server.read([warmup, real], page_table=table, picks=[[], []]) == 1
+    assert server.san.violations[-1].kind == "foreign_page"
 
 
 def test_stale_slot_of_a_reused_page_is_unwritten_read(server):
@@ -228,6 +153,53 @@ def test_corrupted_byte_in_transferred_page_is_pd_checksum(pool):
     assert (v.kind, v.page, v.layer, v.request) == ("pd_checksum", 3, c4_layers(pool)[2], "req-7")
 
 
+def _transferred(pool):
+    """A prefill with one request and a decode holding its pages as a transfer leaves them."""
+    prefill, decode = Server(pool), Server(small_pool("bf16")[1])
+    row = prefill.start(600)
+    src = prefill.rows.req_to_token[row, :600:PAGE].to(torch.int64) // PAGE
+    dst = torch.tensor([7, 3, 11])
+    for s_buf, d_buf in zip(
+        sanitizer.page_buffers(prefill.pool), sanitizer.page_buffers(decode.pool), strict=True
+    ):
+        d_buf[dst] = s_buf[src]
+    return decode, dst, page_checksums(prefill.pool, src)
+
+
+def test_every_full_page_buffer_is_digested_c128_included(pool):
+    names = {name for name, _, _ in sanitizer.digest.page_buffer_table(pool)}
+    assert names == {"c4 kv", "c4 index-K", "c128 kv"}  # DeepSeek-V4-Flash's paged buffers
+    decode, dst, expected = _transferred(pool)
+    assert decode.san.verify_page_checksums(decode.pool, dst, expected) == 0
+    c128 = decode.pool.kv_pools[128].kv_buffer[4]
+    c128[11, 100] ^= 0x01  # one bit of a c128 KV page
+    assert decode.san.verify_page_checksums(decode.pool, dst, expected) == 1
+    (v,) = decode.san.violations
+    assert v.page == 11 and v.expected.startswith("c128 kv digest")
+    assert v.layer == sanitizer.digest.layers_of_ratio(pool, 128)[4]
+
+
+def test_plus_one_minus_two_plus_one_on_three_words_is_caught(pool):
+    """A linear digest (weighted sums of the words) cannot see +1 / -2 / +1 on three consecutive
+    32-bit words: the plain and the position-weighted sums both stay put."""
+    decode, dst, expected = _transferred(pool)
+    words = decode.pool.index_pools[4].index_k_with_scale_buffer[0][3].view(torch.int32)
+    unsigned = words.to(torch.int64) & 0xFFFFFFFF
+    # Three words where none of the changes wraps around 32 bits.
+    k = next(i for i in range(len(words) - 2) if bool((unsigned[i : i + 3] > 2).all()))
+    k = next(
+        i
+        for i in range(k, len(words) - 2)
+        if bool(((unsigned[i : i + 3] > 2) & (unsigned[i : i + 3] < 2**32 - 2)).all())
+    )
+    words[k] += 1
+    words[k + 1] -= 2
+    words[k + 2] += 1
+    assert decode.san.verify_page_checksums(decode.pool, dst, expected) == 1
+    (v,) = decode.san.violations
+    assert (v.kind, v.page) == ("pd_checksum", 3)
+
+
 def test_perturbed_kernel_result_is_shadow_mismatch(server):
     row = server.start(1024)  # 256 c4 positions
     gen = torch.Generator().manual_seed(5)
@@ -254,7 +226,7 @@ def test_perturbed_kernel_result_is_shadow_mismatch(server):
 
 def test_perturbed_fp8_kernel_result_is_shadow_mismatch():
     """fp8 keys in upstream's page layout, scored by upstream's fp8 torch reference."""
-    from sgl_kernel_dsv4.index_reference import pack_fp8_index_pages, quantize_index_fp8
+    from sgl_kernel_dsv4.fp8_reference import pack_fp8_index_pages, quantize_index_fp8
     from sglang.srt.layers.attention.dsv4.indexer import fp8_paged_mqa_logits_torch_sm120
 
     gen = torch.Generator().manual_seed(11)
@@ -273,52 +245,6 @@ def test_perturbed_fp8_kernel_result_is_shadow_mismatch():
     agree = san.shadow_check("fp8", 2, 1, q, keys, weights, 700, table, wrong)
     assert agree == pytest.approx(412 / 512)
     assert kinds(san) == {"shadow_mismatch": 1}
-
-
-def test_sampled_decode_step_hook_checks_the_read_and_shadows_one_request(server):
-    """The indexer hook's adapter on one decode step. Stand-ins only for the attention backend and
-    forward batch (built on a GPU); their fields are the ones upstream's metadata holds."""
-    from types import SimpleNamespace
-
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    row = server.start(4096)  # 1024 c4 positions: the kernel keeps 512
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(1, HEADS, DIM, generator=gen).to(torch.bfloat16)  # compute_q_bf16's output
-    weights = torch.rand(1, HEADS, generator=gen)
-    keys = server.pool.get_index_k_bf16_buffer(server.layer)
-    table = server.page_table([row]).to(torch.int32)
-    lens = torch.tensor([1024], dtype=torch.int32)
-    logits = bf16_paged_mqa_logits(q.unsqueeze(1), keys, weights, lens, table, 1024)
-
-    def step(positions):
-        slots = table[0].to(torch.int64)[positions // C4_PER_PAGE] * C4_PER_PAGE
-        selected = (slots + positions % C4_PER_PAGE).reshape(1, -1)
-        metadata = SimpleNamespace(
-            indexer_metadata=SimpleNamespace(
-                page_table=table, compressed_seq_lens=lens, compressed_page_size=C4_PER_PAGE
-            ),
-            core_metadata=SimpleNamespace(c4_sparse_page_indices=selected),
-        )
-        backend = SimpleNamespace(
-            token_to_kv_pool=server.pool, page_size=PAGE, forward_metadata=metadata
-        )
-        batch = SimpleNamespace(
-            forward_mode=ForwardMode.DECODE,
-            req_pool_indices=torch.tensor([row]),
-            seq_lens=torch.tensor([4096]),
-            req_to_token_pool=server.rows,
-        )
-        server.san._sampled_batch = id(batch)
-        server.san._query[server.layer] = (q, weights)
-        indexer = SimpleNamespace(layer_id=server.layer)
-        sanitizer._check_indexer_read(server.san, backend, indexer, batch)
-
-    step(torch.topk(logits[0], 512).indices)
-    assert kinds(server.san) == {}
-    step(torch.topk(logits[0], 1024).indices[256:768])  # a kernel that kept the wrong half
-    assert kinds(server.san) == {"shadow_mismatch": 1}
-    assert server.san.violations[0].found.startswith("0.500")
 
 
 def test_over_commit_at_start_up(pool):
@@ -380,125 +306,28 @@ def test_abort_fails_the_request_through_upstream(server):
     assert status == 500 and message.startswith("DeepSeek-V4 sanitizer: foreign_page")
 
 
-@pytest.mark.parametrize(
-    "env,line",
-    [
-        ({"SGLANG_DSV4_SANITIZE": "2"}, "SGLANG_DSV4_SANITIZE='2' is not supported; allowed: 0, 1"),
-        (
-            {"SGLANG_DSV4_SANITIZE_SAMPLE": "1.5"},
-            "SGLANG_DSV4_SANITIZE_SAMPLE='1.5' is not supported; allowed: a number from 0 to 1",
-        ),
-        (
-            {"SGLANG_DSV4_SANITIZE_ACTION": "crash"},
-            "SGLANG_DSV4_SANITIZE_ACTION='crash' is not supported; allowed: log, abort",
-        ),
-    ],
-)
-def test_bad_settings_are_one_line(env, line):
-    with pytest.raises(settings.SettingsError) as err:
-        settings.from_environ(env)
-    assert str(err.value) == line
-
-
-def test_off_installs_nothing():
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    conf = settings.from_environ({})
-    assert (conf.sanitize, conf.sanitize_sample, conf.sanitize_action) == (False, 0.01, "log")
-    # This session loaded the plugin with the variable unset.
-    assert sanitizer.SANITIZER is None and sanitizer.INSTALLED == []
-    assert not any("PagedTokenToKVPoolAllocator" in t for t in HookRegistry._hooks)
-    assert sanitizer.describe()["summary"] == "off (0 hooks)"
-
-
-def test_a_hook_that_does_not_take_stops_the_process_with_one_line(monkeypatch):
-    from sglang_dsv4.plugin import Refusal
-
-    target = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_gone"
-    monkeypatch.setattr(sanitizer, "_hooks", lambda san: [(target, lambda *a: None, "AFTER")])
-    conf = settings.from_environ({"SGLANG_DSV4_SANITIZE": "1"})
-    with pytest.raises(Refusal) as err:
-        sanitizer.install_from_settings(conf)
-    assert (
-        err.value.code
-        == f"sglang-dsv4: refusing to run: sanitizer hook {target}: not found upstream"
-    )
-    assert sanitizer.SANITIZER is None and sanitizer.INSTALLED == []
-
-
-CHILD = r"""
-import json, sys, torch
-sys.path.insert(0, "test")
-from sglang.srt.plugins import load_plugins
-load_plugins()
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from support.dsv4 import small_pool
-from sglang_dsv4 import sanitizer, status
-san = sanitizer.SANITIZER
-pool = small_pool("bf16")[1]  # built through the hooked __init__s: over-commit checked
-alloc = PagedTokenToKVPoolAllocator(pool.full_size, page_size=256, dtype=torch.float8_e4m3fn,
-                                    device="cpu", kvcache=pool, need_sort=False)
-rows = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
-out = {"status": status.collect()["sanitizer"]}
-from prometheus_client import REGISTRY
-out["counters_at_start"] = {k: REGISTRY.get_sample_value(
-    "sglang:dsv4_sanitizer_violations_total", {"kind": k}) for k in sanitizer.KINDS}
-for _ in range(20):  # clean cycles through the hooked methods
-    (row,) = rows.alloc_rows(1)
-    slots = alloc.alloc(512)
-    rows.write((row, slice(0, 512)), slots.to(torch.int32))
-    alloc.free(slots)
-    rows.free_rows([row])
-held = alloc.alloc(512)
-alloc.clear()  # a flush takes every page back: handing them out again is no violation
-alloc.alloc(512)
-alloc.clear()
-out["clean"] = {k: n for k, n in san.counts.items() if n}
-slots = alloc.alloc(256)
-alloc.free(slots)
-alloc.free(slots)  # double free
-(row,) = rows.alloc_rows(1)
-rows.write((row, slice(0, 256)), slots.to(torch.int32))  # a row given a freed page
-from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
-decode_rows = DecodeReqToTokenPool(4, 4096, "cpu", False, pre_alloc_size=0)
-decode_rows.write((1, slice(0, 256)), slots.to(torch.int32))  # the same on a PD decode
-live = alloc.alloc(256)
-alloc.free_pages = torch.cat((live[:1] // 256, alloc.free_pages))
-alloc.alloc(256)  # the live page handed out again
-out["faults"] = {k: n for k, n in san.counts.items() if n}
-out["poisoned"] = bool((pool.index_pools[4].index_k_with_scale_buffer[0][int(slots[0]) // 256]
-                        == 0xFF).all())
-print("RESULT " + json.dumps(out))
-"""
-
-
-@pytest.mark.slow  # a fresh process loads upstream and the plugin: about 15 s
-def test_hooks_in_a_server_process_catch_faults():
-    env = {
-        **os.environ,
-        "SGLANG_DSV4_SANITIZE": "1",
-        "SGLANG_DSV4_SANITIZE_SAMPLE": "0.5",
-        "SGLANG_DSV4_SANITIZE_ACTION": "abort",
-        "SGLANG_DSV4_INDEX_K_DTYPE": "bf16",
-        "PYTHONPATH": f"{ROOT / 'python'}:{ROOT / 'sgl-kernel' / 'python'}",
-        "OMP_NUM_THREADS": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[0][len("RESULT ") :])
-    assert out["status"]["on"] and out["status"]["hooks"] == 26
-    assert out["counters_at_start"] == dict.fromkeys(sanitizer.KINDS, 0.0)
-    assert out["status"]["summary"].endswith("sample 0.5, action abort)")
-    assert out["clean"] == {}
-    assert out["faults"] == {"use_after_free": 3, "double_owner": 1}
-    assert out["poisoned"]
-    assert "sanitizer violation kind=double_owner" in proc.stderr
+def test_swa_and_state_items_of_a_transfer_are_digested(pool):
+    """The state components upstream's setup_state_kv_args registers for this pool (SWA with the
+    compress states, then request-scoped state): each item sent is digested and a changed byte in
+    the decode's copy is named by component, buffer and item."""
+    prefill, decode = pool, small_pool("bf16")[1]
+    layout = sanitizer.digest.state_layout(prefill)
+    assert len(layout) == 2 and all(rows is not None for rows in layout[0])
+    src_items, dst_items = [[2, 0], [1]], [[1, 2], [4]]
+    gen = torch.Generator().manual_seed(2)
+    for c, (src, dst) in enumerate(zip(src_items, dst_items, strict=True)):
+        for s_rows, d_rows in zip(layout[c], sanitizer.digest.state_layout(decode)[c], strict=True):
+            if s_rows is None:
+                continue
+            s_rows[src] = torch.randint(0, 256, s_rows[src].shape, generator=gen).to(torch.uint8)
+            d_rows[dst] = s_rows[src]  # the transfer copies the items
+    sent = sanitizer.digest.state_checksums(prefill, src_items)
+    frames = sanitizer.digest.encode_state_frames(sent)
+    received = sanitizer.digest.decode_state_frames(frames)
+    san = Sanitizer()
+    assert san.verify_state_checksums(decode, dst_items, received, "room 9") == 0
+    sanitizer.digest.state_layout(decode)[0][0][2, 17] ^= 0x04  # SWA buffer 0, decode item 2
+    assert san.verify_state_checksums(decode, dst_items, received, "room 9") == 1
+    (v,) = san.violations
+    assert (v.kind, v.slot, v.request) == ("pd_checksum", 2, "room 9")
+    assert v.expected.startswith("state component 0 buffer 0 digest")

@@ -31,7 +31,7 @@ from sglang.srt.disaggregation.nixl.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_dsv4 import sanitizer
-from sglang_dsv4.plugin import resolve
+from sglang_dsv4.hooks import resolve
 from sglang_dsv4.sanitizer import PD_DIGEST_TAG, Sanitizer, c4_layers
 from support.dsv4 import small_pool
 from support.nixl import (
@@ -54,7 +54,7 @@ def manager(mode: DisaggregationMode, pool) -> NixlKVManager:
 
 def hook_after(monkeypatch, san: Sanitizer, *targets: str) -> None:
     """Wrap each upstream method with the sanitizer's AFTER hook, as HookRegistry does."""
-    hooks = {target: hook for target, hook, _ in sanitizer._hooks(san)}
+    hooks = {target: hook for target, hook, _ in sanitizer.bind(san)}
     for target in targets:
         owner, name, original = resolve(target)
         hook = hooks[target]
@@ -68,12 +68,12 @@ def hook_after(monkeypatch, san: Sanitizer, *targets: str) -> None:
 
 
 PREFILL_HOOKS = (
-    f"{sanitizer._CHUNK}.__init__",
-    f"{sanitizer._COMMON_MANAGER}._encode_kv_status_message",
+    f"{sanitizer.hooks._CHUNK}.__init__",
+    f"{sanitizer.hooks._COMMON_MANAGER}._encode_kv_status_message",
 )
 DECODE_HOOKS = (
-    f"{sanitizer._NIXL_MANAGER}.build_receiver_metadata_message",
-    f"{sanitizer._COMMON_MANAGER}.parse_kv_status_message",
+    f"{sanitizer.hooks._NIXL_MANAGER}.build_receiver_metadata_message",
+    f"{sanitizer.hooks._COMMON_MANAGER}.parse_kv_status_message",
 )
 
 

@@ -11,7 +11,7 @@ none of them). It reads the register's names (`sglang_dsv4.fixes.REGISTER`) and 
 import of each upstream module holding a target. Once upstream imports such a module (and the
 import that pulled it in has finished, so no upstream module is half-initialised), the fix module
 is imported and the targets in that module are prechecked, registered with upstream's
-HookRegistry, applied and verified. A failure there refuses as at start-up, at the latest when
+HookRegistry, applied and verified (`sglang_dsv4.hooks`). A failure there refuses as at start-up, at the latest when
 the target's module is first imported: in a scheduler that is the refusal line on its stderr and
 upstream's launcher reporting the dead scheduler. Targets whose module is already imported when
 the plugin loads are handled inside `load()`. `settle()` imports everything and applies every fix
@@ -21,17 +21,15 @@ at once (`sglang-dsv4 status`).
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import os
-import pkgutil
 import sys
 import threading
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
-from sglang_dsv4 import UPSTREAM_PIN, settings
-from sglang_dsv4.register import parameters_of
+from sglang_dsv4 import UPSTREAM_PIN, hooks, settings
+from sglang_dsv4.hooks import Refusal
 
 logger = logging.getLogger("sglang_dsv4")
 
@@ -40,13 +38,6 @@ PENDING = "pending"
 DECLARED = "declared, not implemented"
 FAILED = "failed"
 SKIPPED = "skipped"
-
-
-class Refusal(SystemExit):
-    """The distribution cannot run as configured; the message is the one line an operator reads."""
-
-    def __init__(self, message: str):
-        super().__init__(f"sglang-dsv4: refusing to run: {message}")
 
 
 @dataclass
@@ -79,192 +70,6 @@ def check_upstream_version(allow_unpinned: bool) -> None:
     if not allow_unpinned:
         raise Refusal(f"{line} (set {settings.ALLOW_UNPINNED_ENV}=1 to run anyway)")
     logger.warning("sglang-dsv4: %s; running anyway (%s=1)", line, settings.ALLOW_UNPINNED_ENV)
-
-
-def resolve(target: str):
-    """(owner, attribute name, raw attribute or None) for a dotted path; descriptors unwrapped."""
-    owner_path, name = target.rsplit(".", 1)
-    owner = pkgutil.resolve_name(owner_path)
-    raw = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if isinstance(raw, (classmethod, staticmethod)):
-        raw = raw.__func__
-    return owner, name, raw
-
-
-def _installs(current, func) -> bool:
-    """True when `current` is `func` or a hook wrapper (chain) that calls it."""
-    seen = 0
-    while current is not None and seen < 16:
-        if current is func:
-            return True
-        cells = getattr(current, "__closure__", None) or ()
-        if any(_cell(c) is func for c in cells):
-            return True
-        current = getattr(current, "__wrapped__", None)
-        seen += 1
-    return False
-
-
-def _cell(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
-# --- one target: check, install, verify ---------------------------------------------------------
-
-
-def _moved(target: str, original, signature: str) -> str | None:
-    """Why upstream's `original` (None: absent) is not what a fix written for `signature` needs."""
-    if original is None:
-        return f"target {target}: not found upstream"
-    found = parameters_of(original)
-    if found != signature:
-        return f"target {target}: signature is {found}, the fix was written for {signature}"
-    return None
-
-
-def _check_replace(rep) -> str | None:
-    """Why the replacement cannot be installed on this upstream tree, or None."""
-    try:
-        _, _, original = resolve(rep.target)
-    except (ImportError, AttributeError, ValueError) as exc:
-        return f"target {rep.target}: cannot import its owner ({exc})"
-    return _moved(rep.target, original, rep.signature)
-
-
-def _check_add(add) -> str | None:
-    try:
-        _, _, existing = resolve(add.target)
-    except (ImportError, AttributeError, ValueError) as exc:
-        return f"target {add.target}: cannot import its owner ({exc})"
-    if existing is not None and existing is not add.func:
-        return f"target {add.target}: upstream now defines it; is the fix upstream?"
-    return _check_routes(add) if add.takes_routes else None
-
-
-# --- HTTP routes an added function takes over (register.Routes) ---------------------------------
-
-
-def _endpoint_and_routes(add):
-    """(the upstream endpoint, its application's route list); None for what is not there."""
-    owner = pkgutil.resolve_name(add.owner)
-    app = getattr(owner, add.takes_routes.app, None)
-    routes = getattr(getattr(app, "router", None), "routes", None)
-    return getattr(owner, add.takes_routes.endpoint, None), routes
-
-
-def _serving(routes, func) -> list[str]:
-    return [route.path for route in routes if getattr(route, "endpoint", None) is func]
-
-
-def _check_routes(add) -> str | None:
-    taken = add.takes_routes
-    target = f"{add.owner}.{taken.endpoint}"
-    where = f"target {target}"
-    endpoint, routes = _endpoint_and_routes(add)
-    if moved := _moved(target, endpoint, taken.signature):
-        return moved
-    if routes is None:
-        return f"{where}: {add.owner}.{taken.app} is not a FastAPI application"
-    if not (_serving(routes, endpoint) or _serving(routes, add.func)):
-        return f"{where}: no route of {taken.app} serves it"
-    return None
-
-
-def _route_to(route, func):
-    """The same route (class, path and every constructor argument it keeps) served by `func`."""
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    kept = {
-        name: getattr(route, name)
-        for name, param in inspect.signature(type(route).__init__).parameters.items()
-        if param.kind in named and name not in ("self", "path", "endpoint") and hasattr(route, name)
-    }
-    return type(route)(route.path, func, **kept)
-
-
-def _take_routes(add) -> None:
-    endpoint, routes = _endpoint_and_routes(add)
-    for index, route in enumerate(routes):
-        if getattr(route, "endpoint", None) is endpoint:
-            routes[index] = _route_to(route, add.func)
-
-
-def _verify_routes(add) -> str | None:
-    endpoint, routes = _endpoint_and_routes(add)
-    where = f"target {add.owner}.{add.takes_routes.endpoint}"
-    if left := _serving(routes, endpoint):
-        return f"{where}: routes {', '.join(left)} still serve it"
-    if not _serving(routes, add.func):
-        return f"{where}: no route serves {add.func.__name__}"
-    return None
-
-
-def precheck(fix) -> str | None:
-    """Why `fix` cannot be installed on the upstream tree this process imports, or None."""
-    for reason in map(_check_replace, fix.replaces):
-        if reason:
-            return reason
-    for reason in map(_check_add, fix.adds):
-        if reason:
-            return reason
-    return None
-
-
-def _verify_replace(rep) -> str | None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    try:
-        _, _, current = resolve(rep.target)
-    except (ImportError, AttributeError, ValueError) as exc:
-        return f"target {rep.target}: {exc}"
-    if rep.target not in HookRegistry._patched or not _installs(current, rep.func):
-        return f"target {rep.target}: not patched (upstream's HookRegistry logged why)"
-    return None
-
-
-def _verify_add(add) -> str | None:
-    try:
-        _, _, current = resolve(add.target)
-    except (ImportError, AttributeError, ValueError) as exc:
-        return f"target {add.target}: {exc}"
-    if current is not add.func:
-        return f"target {add.target}: not added"
-    return _verify_routes(add) if add.takes_routes else None
-
-
-def verify(fix) -> str | None:
-    """Why the fix is not in force in this process, or None (imports every target's owner)."""
-    for rep in fix.replaces:
-        if reason := _verify_replace(rep):
-            return reason
-    for add in fix.adds:
-        if reason := _verify_add(add):
-            return reason
-    return None
-
-
-def _install(replaces, adds) -> str | None:
-    """Check, install and verify these targets (their modules are imported); why not, or None."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for reason in (*map(_check_replace, replaces), *map(_check_add, adds)):
-        if reason:
-            return reason
-    for rep in replaces:
-        HookRegistry.register(rep.target, rep.func, HookType.REPLACE)
-    for add in adds:
-        owner, name, _ = resolve(add.target)
-        setattr(owner, name, add.func)
-        if add.takes_routes:
-            _take_routes(add)
-    if replaces:
-        HookRegistry.apply_hooks()
-    for reason in (*map(_verify_replace, replaces), *map(_verify_add, adds)):
-        if reason:
-            return reason
-    return None
 
 
 # --- one fix: its targets by upstream module ---------------------------------------------------
@@ -325,8 +130,8 @@ def _advance(watched: _Watched) -> str | None:
         mods = entry.upstream_modules
         replaces = [r for r in watched.fix.replaces if _module_of(r.target, mods) == module]
         adds = [a for a in watched.fix.adds if _module_of(a.target, mods) == module]
-        if reason := _install(replaces, adds):
-            return reason
+        if reason := hooks.install(replaces, adds):
+            return str(reason)
         watched.done.add(module)
     return None
 
@@ -479,9 +284,14 @@ def load() -> None:
         raise Refusal(str(exc)) from None
     check_upstream_version(conf.allow_unpinned)
 
+    from sglang_dsv4 import cpu_backend
     from sglang_dsv4.fixes import REGISTER
 
-    for entry in REGISTER:
+    try:  # --device cpu on DeepSeek-V4 only; elsewhere no entry, nothing hooked
+        dev_entries = cpu_backend.entries()
+    except ValueError as exc:
+        raise Refusal(str(exc)) from None
+    for entry in (*REGISTER, *dev_entries):
         if entry.id in conf.skip_fixes:
             STATE[entry.id] = FixState(SKIPPED, f"{settings.SKIP_FIXES_ENV} names it")
         elif not entry.implemented:

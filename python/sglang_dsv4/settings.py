@@ -7,6 +7,10 @@
 - SGLANG_DSV4_SANITIZE_SAMPLE share of decode steps read-checked, 0..1 (default 0.01)
 - SGLANG_DSV4_SANITIZE_ACTION log (default) | abort: also fail the request a violation names
 
+The index-K dtype's names and rules are `sglang_dsv4.index_k_dtype`'s (the same functions fix
+index-k-bf16 adds upstream); a server reads that variable once, through the cached
+`requested_dsv4_index_k_dtype`, for the settings and for its pools alike.
+
 This module imports no fix and nothing upstream: the plugin reads it in every SGLang process at
 start-up, and `python -m sglang_dsv4.envcheck` checks them before a container's role starts.
 """
@@ -17,10 +21,9 @@ import functools
 import os
 from dataclasses import dataclass
 
-INDEX_K_DTYPE_ENV = "SGLANG_DSV4_INDEX_K_DTYPE"
-# The same names index-k-bf16's parse_dsv4_index_k_dtype accepts (a test holds the two together;
-# that function is written into upstream's module, so it cannot import this one).
-INDEX_K_DTYPES = ("fp8", "bf16", "fp4")
+from sglang_dsv4 import index_k_dtype
+from sglang_dsv4.index_k_dtype import INDEX_K_DTYPE_ENV
+
 ALLOW_UNPINNED_ENV = "SGLANG_DSV4_ALLOW_UNPINNED"
 SKIP_FIXES_ENV = "SGLANG_DSV4_SKIP_FIXES"
 SANITIZE_ENV = "SGLANG_DSV4_SANITIZE"
@@ -37,6 +40,8 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
+    # What a server started consistently stores (fp8 when not set; fp4 goes with upstream's
+    # --enable-deepseek-v4-fp4-indexer, which the settings do not see).
     index_k_dtype: str
     allow_unpinned: bool
     skip_fixes: frozenset[str]
@@ -46,13 +51,16 @@ class Settings:
 
 
 def parse_index_k_dtype(value: str | None) -> str:
-    """Normalise an index-K dtype name; unset or empty means fp8 (upstream's behaviour)."""
-    name = (value or "").strip().lower() or "fp8"
-    if name not in INDEX_K_DTYPES:
-        raise SettingsError(
-            f"{INDEX_K_DTYPE_ENV}={value!r} is not supported; allowed: {', '.join(INDEX_K_DTYPES)}"
-        )
-    return name
+    """The index-K dtype a SGLANG_DSV4_INDEX_K_DTYPE value asks for (not set: fp8)."""
+    try:
+        requested = index_k_dtype.parse_dsv4_index_k_dtype(value)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    return _stored(requested)
+
+
+def _stored(requested: str | None) -> str:
+    return index_k_dtype.dsv4_index_k_dtype_for(requested, use_fp4_indexer=requested == "fp4")
 
 
 def parse_skip_fixes(value: str | None) -> frozenset[str]:
@@ -93,8 +101,15 @@ def parse_sanitize(environ) -> tuple[bool, float, str]:
 
 def from_environ(environ: os._Environ | dict) -> Settings:
     sanitize, sample, action = parse_sanitize(environ)
+    if environ is os.environ:  # the process's own read, shared with the pools (cached)
+        try:
+            dtype = _stored(index_k_dtype.requested_dsv4_index_k_dtype())
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+    else:
+        dtype = parse_index_k_dtype(environ.get(INDEX_K_DTYPE_ENV))
     return Settings(
-        index_k_dtype=parse_index_k_dtype(environ.get(INDEX_K_DTYPE_ENV)),
+        index_k_dtype=dtype,
         allow_unpinned=environ.get(ALLOW_UNPINNED_ENV, "").strip().lower() in _TRUE,
         skip_fixes=parse_skip_fixes(environ.get(SKIP_FIXES_ENV)),
         sanitize=sanitize,

@@ -33,7 +33,7 @@ def cuda_device() -> dict:
 def collect() -> dict:
     from sglang.srt.plugins import load_plugins
 
-    from sglang_dsv4 import UPSTREAM_PIN, __version__, plugin, sanitizer, settings
+    from sglang_dsv4 import UPSTREAM_PIN, __version__, cpu_backend, plugin, sanitizer, settings
     from sglang_dsv4.cli import step
     from sglang_dsv4.fixes import REGISTER
 
@@ -81,6 +81,7 @@ def collect() -> dict:
         "cuda_device": cuda_device(),
         "fixes": fixes,
         "sanitizer": sanitizer.describe(),
+        "cpu_backend": cpu_backend.describe(plugin.STATE),
     }
 
 
@@ -106,6 +107,7 @@ def render(report: dict) -> None:
     console.print(f"index-K dtype     {report['index_k_dtype']}")
     console.print(f"CUDA device       {dev['name']}{cc}")
     console.print(f"sanitizer         {report['sanitizer']['summary']}")
+    console.print(f"cpu backend       {report['cpu_backend']['summary']}")
     if report["refusal"]:
         console.print(f"[bold red]{report['refusal']}[/]")
     table = Table(show_lines=False)

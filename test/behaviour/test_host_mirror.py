@@ -21,6 +21,7 @@ from sglang.srt.mem_cache import memory_pool_host
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from support.dsv4 import small_pool
 
 PAGE = 256  # tokens per page; a c4 index page holds PAGE // 4 = 64 slots
@@ -33,7 +34,15 @@ def pools():
 
 
 def host_pool(region) -> DeepSeekV4PagedHostPool:
-    # The arguments hybrid_pool_assembler passes for an indexer region, on the CPU.
+    # The arguments hybrid_pool_assembler passes for an indexer region, on the CPU. The pool is
+    # booked against upstream's own budget scope (a fixed 1 GiB; it needs a few KiB): outside
+    # one, upstream checks the machine's free memory less a 10 GiB reserve, which a busy 24 GiB
+    # machine (servers of the end-to-end suite alive) does not always have.
+    with host_memory_budget_scope(1 << 30):
+        return _host_pool(region)
+
+
+def _host_pool(region) -> DeepSeekV4PagedHostPool:
     return DeepSeekV4PagedHostPool(
         pool_name=str(region.name),
         device_buffers=region.device_buffers,

@@ -29,6 +29,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.nixl.conn import GUARD
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang_dsv4 import metrics
 from support.nixl import (
     ABORTED,
     HOST,
@@ -44,7 +45,7 @@ from support.nixl import (
     wait_until,
 )
 
-METRIC = "sglang:nixl_control_thread_events_total"
+METRIC = metrics.NIXL_CONTROL_THREAD_EVENTS
 
 
 def metric(thread: str, event: str) -> float:
@@ -491,8 +492,7 @@ def test_heartbeat_survives_failure_handling_that_raises(prefill, nixl_logs):
     finally:
         decode._heartbeat_shutdown.set()
         heartbeat.join(5)
-        decode.server_socket.close(linger=0)
-        decode._zmq_ctx.term()
+        stop(decode)  # also closes what it sent the lost prefill the rooms' failure on
 
 
 # --- soak -------------------------------------------------------------------------------------
@@ -612,9 +612,9 @@ def test_soak_four_senders_mixed_traffic(prefill, peers, nixl_logs):
                 prefill.failure_records.pop(room, None)
             # Why each failed room failed is kept, bounded, to answer a late transfer info for
             # it; that is by design, not a leak: check the bound, then leave it out of the count.
-            failed_rooms = prefill.__dict__.get("_failed_rooms", {})
-            assert len(failed_rooms) <= 4096
-            failed_rooms.clear()
+            concluded = prefill.pd_control.concluded
+            assert len(concluded) <= prefill.pd_control.bounds.concluded_rooms
+            concluded.clear()
             total = sum(len(s) for s in scripts)
             scripts = workers = None
             memory.append(python_memory())
@@ -631,7 +631,7 @@ def test_soak_four_senders_mixed_traffic(prefill, peers, nixl_logs):
         # Rate-limited: one line per kind and 10 s whatever the number of bad messages (five
         # kinds here: foreign, empty, guard_only, registration, transfer_info).
         assert served_lines[1] <= 5 * 2
-        assert len(prefill._control_drop_log) <= 5
+        assert len(prefill.pd_control.drop_log) <= 5
         # A dropped message whose frames, exception or traceback stayed alive would leave
         # several blocks each: 2,000 bad messages, at least 6,000 blocks.
         assert memory[2][0] - memory[1][0] < 1500, figures[1]

@@ -240,13 +240,14 @@ def test_control_thread_health_reports_liveness_and_the_last_death(pd):
     health = prefill.control_thread_health()
     assert health["healthy"] and health["threads"]["prefill_bootstrap"]["alive"]
     assert health["threads"]["prefill_bootstrap"]["last_death"] is None
+    before = time.time()
     failing.fail.set()
     assert wait_until(
         lambda: prefill.control_thread_health()["threads"]["prefill_bootstrap"]["deaths"]
     )
     bootstrap = prefill.control_thread_health()["threads"]["prefill_bootstrap"]
     assert "ZMQError: injected socket failure" in bootstrap["last_death"]
-    assert abs(bootstrap["last_death_at"] - time.time()) < 10
+    assert before <= bootstrap["last_death_at"] <= time.time()  # a wall-clock stamp of the death
     assert wait_until(lambda: prefill.control_thread_health()["healthy"])  # it restarted
     # A thread that stops for good leaves the rank unhealthy, and says why.
     other = bare_manager(DisaggregationMode.DECODE, decode.agent, engine_rank=2)

@@ -262,8 +262,8 @@ def test_a_thread_restarting_in_vain_is_down_until_it_serves_again(serve, prefil
         push.setsockopt(zmq.LINGER, 0)
         push.connect(f"tcp://{HOST}:{mgr.rank_port}")
         push.send_multipart([b"not a NIXL message"])
-        received = mgr.control_thread_states["prefill_bootstrap"]
-        assert wait_until(lambda: received["received"] > received["received_at_last_death"], 15)
+        received = mgr.pd_control.threads["prefill_bootstrap"]
+        assert wait_until(lambda: received.received > received.received_at_last_death, 15)
         push.close()
         health = client.get("/health")
     assert health.status_code == 200, health.text
@@ -290,11 +290,8 @@ def test_a_scheduler_that_does_not_answer_is_left_to_upstreams_probe(serve, pref
     with published("prefill"):
         client, tokenizer = serve(DisaggregationMode.PREFILL, prefill())
         tokenizer.answers = False
-        t0 = time.monotonic()
         health = client.get("/health_generate")
-        took = time.monotonic() - t0
     assert health.status_code == 200 and tokenizer.probes == 1
-    assert took < 10, f"/health took {took:.1f} s"  # 5 s bound on the readback, 1 s probe
 
 
 def test_a_server_without_pd_does_not_ask_the_schedulers(serve, prefill):

@@ -9,81 +9,13 @@ process is killed with its group in `finally`.
 
 from __future__ import annotations
 
-import json
-import os
-import queue
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
 from support.nixl import HOST
-
-RANK_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "pd_rank.py"
-# Deadline for a process to import and configure itself: about 12 s of CPU each (importing
-# sglang and torch), far longer in wall time on a shared, loaded machine. The fault timings
-# below do not depend on it.
-START_S = 150
-
-
-class Rank:
-    """One pd_rank.py process: commands in, JSON events out, killed with its process group."""
-
-    def __init__(self, role: str, bootstrap_port: int, log: Path):
-        self.role, self.log = role, log
-        self.proc = subprocess.Popen(
-            [sys.executable, str(RANK_SCRIPT), role, str(bootstrap_port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log.open("w"),
-            text=True,
-            start_new_session=True,  # its own process group, so kill -9 takes all of it
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.events: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-        self.events.put({"exited": self.proc.poll()})
-
-    def send(self, command: str) -> None:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-
-    def expect(self, match, timeout_s: float) -> dict:
-        """The first event `match` accepts; fails the test at the deadline or if the process ends."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                event = self.events.get(timeout=max(left, 0.001))
-            except queue.Empty:
-                pytest.fail(
-                    f"{self.role}: no matching event within {timeout_s} s; its log ends: "
-                    f"{self.log.read_text()[-3000:]}"
-                )
-            assert "exited" not in event, f"{self.role} ended: {self.log.read_text()[-3000:]}"
-            if match(event):
-                return event
-
-    def room(self, room: int, status: int, timeout_s: float) -> dict:
-        return self.expect(lambda e: e.get("room") == room and e["status"] == status, timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+from support.pd_process import START_S, Rank
 
 
 def free_port() -> int:

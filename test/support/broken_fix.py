@@ -2,8 +2,8 @@
 like to an unchanged fix. Tests add it to the register (`ENTRY`) in a child process; importing
 this module imports nothing upstream, like a real fix module's register entry."""
 
+from sglang_dsv4.fix import Fix, Replace
 from sglang_dsv4.fixes import Entry
-from sglang_dsv4.register import Fix, Replace
 
 POOL_MODULE = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
 # A pool function no real fix replaces (a second replacement of one target is its own refusal).
@@ -15,7 +15,7 @@ def get_swa_ring_size(sliding_window):
 
 
 FIX = Fix(
-    id="deliberately-broken",
+    id="broken-fix",
     title="t",
     area="test",
     why="w",
@@ -26,7 +26,7 @@ FIX = Fix(
     replaces=(Replace(TARGET, get_swa_ring_size, "(sliding_window)"),),
 )
 
-ENTRY = Entry(FIX.id, __name__, (POOL_MODULE,))
+ENTRY = Entry(__name__, (POOL_MODULE,))
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """Real upstream DeepSeek-V4 sizing chains and pools on the CPU, for any index-K dtype.
 
-Everything here is upstream's own code path (see `sglang_dsv4.plan`, which these re-export):
+Everything here is upstream's own code path (see `sglang_dsv4.plan.chain`, which these re-export):
 ServerArgs -> publish -> ModelConfig -> KVCacheConfigurator -> DSV4PoolConfigurator, and the
 DeepSeekV4TokenToKVPool a scheduler builds from the configurator's sizes, on device="cpu" (or
 "meta" for shapes only). Stand-ins only for what this machine lacks: device "cpu" in ServerArgs,
@@ -18,7 +18,7 @@ also serve the run on upstream patched by the exported series.
 
 from __future__ import annotations
 
-from sglang_dsv4.plan import (  # noqa: F401  (re-exported API)
+from sglang_dsv4.plan.chain import (  # noqa: F401  (re-exported API)
     INDEX_K_DTYPES,
     Chain,
     activated,

@@ -38,15 +38,16 @@ def ucx_agent(role: str):
     return nixl_agent(f"{role}-{next(_agent_names)}", nixl_agent_config(backends=["UCX"]))
 
 
-def listen_as_single_rank(mgr) -> None:
-    """One rank of a one-rank deployment, its control socket bound on loopback."""
+def listen_as_single_rank(mgr, host: str = HOST) -> None:
+    """One rank of a one-rank deployment, its control socket bound on `host` (loopback, or the
+    address of the network namespace it runs in)."""
     mgr.attn_tp_size, mgr.attn_tp_rank = 1, 0
     mgr.attn_cp_size, mgr.attn_cp_rank = 1, 0
     mgr.pp_size, mgr.pp_rank = 1, 0
     mgr.dcp_size, mgr.dcp_rank = 1, 0
-    mgr.local_ip = HOST
+    mgr.local_ip = host
     mgr._zmq_ctx = zmq.Context()
-    mgr.rank_port, mgr.server_socket = get_zmq_socket_on_host(mgr._zmq_ctx, zmq.PULL, host=HOST)
+    mgr.rank_port, mgr.server_socket = get_zmq_socket_on_host(mgr._zmq_ctx, zmq.PULL, host=host)
 
 
 def track_rooms(mgr) -> None:
@@ -66,8 +67,14 @@ def new_room() -> int:
     return next(_room_numbers)
 
 
+# Every wait is a hang guard, not a speed bound: it returns as soon as the predicate holds, and
+# gives up no sooner than this, so a loaded shared machine cannot fail a test by the clock.
+HANG_GUARD_S = 120.0
+
+
 def wait_until(predicate, timeout_s: float = 3.0, poll_s: float = 0.002) -> bool:
-    deadline = time.monotonic() + timeout_s
+    """Poll `predicate` until it holds; False after max(timeout_s, HANG_GUARD_S)."""
+    deadline = time.monotonic() + max(timeout_s, HANG_GUARD_S)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -91,7 +98,9 @@ def empty_kv_args(engine_rank: int) -> KVArgs:
     return args
 
 
-def bare_manager(mode: DisaggregationMode, agent, engine_rank: int) -> NixlKVManager:
+def bare_manager(
+    mode: DisaggregationMode, agent, engine_rank: int, host: str = HOST
+) -> NixlKVManager:
     mgr = object.__new__(NixlKVManager)
     mgr.disaggregation_mode = mode
     mgr.kv_args = empty_kv_args(engine_rank)
@@ -99,7 +108,7 @@ def bare_manager(mode: DisaggregationMode, agent, engine_rank: int) -> NixlKVMan
     mgr.is_mla_backend = True  # DeepSeek-V4 is MLA
     mgr.is_hybrid_mla_backend = False
     mgr._kv_replica_factor = None
-    listen_as_single_rank(mgr)
+    listen_as_single_rank(mgr, host)
     track_rooms(mgr)
     mgr.enable_staging = False
     mgr._staging_handler = None
@@ -212,6 +221,12 @@ class FailingSocket:
     def close(self, *args, **kwargs):
         if not self.keep_port.is_set():
             self.real.close(*args, **kwargs)
+
+    def poll(self, *args, **kwargs):
+        # A pending failure is something to receive: the control loop polls before it receives.
+        if self.fail.is_set() or self.broken.is_set():
+            return zmq.POLLIN
+        return self.real.poll(*args, **kwargs)
 
     def recv_multipart(self):
         while True:

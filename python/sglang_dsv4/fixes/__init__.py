@@ -1,10 +1,12 @@
 """The fix register: every change the distribution carries, in the order patches are exported.
 
-Each module opens with its register entry (Target / Why / How / Upstream / Remove when) and
-defines `FIX`, a `sglang_dsv4.register.Fix` naming what it replaces or adds upstream.
+Each module defines `FIX`, a `sglang_dsv4.fix.Fix` naming what it replaces or adds upstream and
+why, and its docstring opens with that register entry rendered (Target / Why / How / Upstream /
+Remove when; `sglang_dsv4.fix.register_text`).
 
-`REGISTER` below is what the plugin reads at start-up: ids, the fix module and the upstream
-modules that hold its targets, all as names. Nothing here imports a fix module (each imports the
+`REGISTER` below is what the plugin reads at start-up: each fix module and the upstream modules
+that hold its targets, all as names; a fix's id is its module's name with dashes
+(`index_k_bf16` is `index-k-bf16`), and `FIX.id` must say the same. Nothing here imports a fix module (each imports the
 upstream modules it hooks, which costs seconds), so the plugin applies a fix only once upstream
 itself imports one of those modules. `FIXES`, the `Fix` objects, imports every fix module on
 first use (status, export, tests).
@@ -23,12 +25,15 @@ _NIXL = "sglang.srt.disaggregation.nixl.conn"
 class Entry:
     """A fix as the plugin sees it before importing anything upstream."""
 
-    id: str
     module: str  # the module that defines FIX
     # Upstream modules holding its targets: importing one applies the targets it holds.
     # Empty for a change declared but not implemented. test/test_plugin.py checks this list
     # against the targets FIX names.
     upstream_modules: tuple[str, ...]
+
+    @property
+    def id(self) -> str:
+        return self.module.rsplit(".", 1)[-1].replace("_", "-")
 
     @property
     def implemented(self) -> bool:
@@ -41,7 +46,6 @@ class Entry:
 
 REGISTER: tuple[Entry, ...] = (
     Entry(
-        "index-k-bf16",
         "sglang_dsv4.fixes.index_k_bf16",
         (
             _POOL,
@@ -51,13 +55,11 @@ REGISTER: tuple[Entry, ...] = (
         ),
     ),
     Entry(
-        "pool-sizing-bf16",
         "sglang_dsv4.fixes.pool_sizing_bf16",
         (_POOL, "sglang.srt.model_executor.pool_configurator"),
     ),
-    Entry("index-k-transfer-gate", "sglang_dsv4.fixes.index_k_transfer_gate", (_POOL,)),
+    Entry("sglang_dsv4.fixes.index_k_transfer_gate", (_POOL,)),
     Entry(
-        "host-mirror-geometry",
         "sglang_dsv4.fixes.host_mirror_geometry",
         (
             _POOL,
@@ -67,10 +69,11 @@ REGISTER: tuple[Entry, ...] = (
         ),
     ),
     Entry(
-        "nixl-bootstrap-cascade",
-        "sglang_dsv4.fixes.nixl_bootstrap_cascade",
+        "sglang_dsv4.fixes.nixl_bootstrap_cascade", (_NIXL, "sglang.srt.disaggregation.decode")
+    ),
+    Entry(
+        "sglang_dsv4.fixes.nixl_control_health",
         (
-            _NIXL,
             "sglang.srt.managers.scheduler_components.internal_state",
             "sglang.srt.entrypoints.http_server",
         ),

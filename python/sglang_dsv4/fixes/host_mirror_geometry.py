@@ -1,44 +1,54 @@
-"""host-mirror-geometry: every copy of index-K rows outside the device pool agrees on the row geometry.
+"""host-mirror-geometry: index-K rows outside the device pool (HiCache host mirror, PD peer) keep its geometry.
 
 Register entry
   Target:      sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._dsv4_indexer_regions
-               sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool._unaligned_transfer_error
+               sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool
                sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.pd_kv_layout
                sglang.srt.disaggregation.nixl.conn.NixlKVManager._add_remote_peer
                sglang.srt.disaggregation.nixl.conn.NixlKVManager.add_transfer_request
-  Why:         Index-K rows leave the device pool in two places: the HiCache host mirror
-               (DeepSeekV4PagedHostPool) and the PD peer's pool. A copy that assumes another row
-               than the one stored corrupts keys. HiCache: the token-granular copy
-               (transfer_cache_dsv4_mla) addresses 64-token pages of 584-B V4 C4 KV tokens (value
-               576 B + scale 8 B, kvcacheio.cuh; 37,440-B pages). Neither index row has that
-               layout: fp8 is 8448 B per 64-slot page (64 x 128 B keys, then 64 x 4 B scales),
-               bf16 16384 B, so upstream's token-granular copy of fp8 index rows is wrong too.
-               PD: with prefill bf16 and decode fp8, upstream's prepared NIXL lists raise inside
-               the prefill bootstrap thread (stride 8448 < 16384) and requests hang; with prefill
-               fp8 and decode bf16 they are accepted and 8448-B rows land in 16384-B pages.
-               Upstream's PD KV layout names no index-K dtype, so its decode-side check passes.
-  How:         HiCache: the indexer regions take their row bytes from the live device buffers (one
-               page row: numel x element_size()) for every layout, and every fused index row
-               (fp8 and bf16) is whole-page only (page_aligned_only). fp8 rows are routed to
-               whole pages, not proved correct token by token; a transfer that would need the
-               token-granular copy stops with an error naming the row bytes and why.
-               PD: the index-K dtype and page-row bytes of every indexer pool join the PD KV
-               layout (DeepSeekV4TokenToKVPool.pd_kv_layout, e.g. "c4_index_k=bf16/16384B"),
-               which the decode compares with the prefill's (upstream's check in
-               try_ensure_parallel_info) on its first request to that prefill, before a receiver
-               exists or any KV is allocated; a mismatch stops it with one line naming both
-               layouts. Second line (a decode without that check): when a decode registers, the
-               prefill compares the item length of every region the transfer pairs; a difference
-               refuses the pairing (no NIXL list is prepared) with one error line naming both
-               index-K dtypes, and every room with that peer fails at once with the same line,
-               which decode receives as the room's failure reason and logs.
-  Upstream:    upstream 0.5.23 already sizes host rows from the live buffers
-               (fused[0].shape[1] x element_size()) and refuses unaligned transfers on
-               page-aligned-only pools, but marks every fused index row token-granular-capable;
-               its PD KV layout carries no index-K dtype, and PD compares item lengths only for
-               PP-heterogeneous MLA. Not upstream.
+  Why:         Index-K rows leave the device pool for the HiCache host mirror
+               (DeepSeekV4PagedHostPool) and for the PD peer's pool; a copy that assumes another row
+               than the one stored corrupts keys. Upstream's token-granular HiCache copy
+               (transfer_cache_dsv4_mla) addresses 64-token pages of 584-B V4 C4 KV tokens (37,440-B
+               pages); neither an fp8 index page (8448 B) nor a bf16 one (16384 B) has that layout.
+               On PD, upstream's KV layout names no index-K dtype; prefill bf16 / decode fp8 makes
+               upstream's NIXL lists raise inside the prefill bootstrap thread (requests then hang);
+               prefill fp8 / decode bf16 is accepted and 8448-B rows land in 16384-B pages.
+  How:         HiCache: _dsv4_indexer_regions takes each region's row bytes from the live device
+               buffers (one page row, numel x element_size()) for every layout and marks every fused
+               index row (fp8 and bf16) whole-page only: fp8 rows are routed to whole pages, not
+               proved token by token; a transfer that would need the token-granular copy stops with
+               an error naming the row bytes and why. PD: DeepSeekV4TokenToKVPool.pd_kv_layout adds
+               each indexer pool's index-K dtype and page-row bytes (c4_index_k=bf16/16384B), so the
+               decode's layout check refuses a prefill of another dtype on its first request, before
+               any receiver or KV allocation, with one line naming both. A decode without that check
+               is refused by the prefill when it registers (item lengths of every paired region
+               compared, no NIXL list prepared, one error line naming both index-K dtypes), and each
+               room with that peer fails at once with that line as the failure reason decode
+               receives and logs.
+  Upstream:    upstream 0.5.23 sizes host rows from the live buffers and refuses unaligned transfers
+               on page-aligned-only pools, but marks every fused index row token-granular-capable;
+               its PD KV layout carries no index-K dtype and PD compares item lengths only for
+               PP-heterogeneous MLA. The rest is not upstream
   Remove when: index-k-bf16 is upstream with whole-page-only index rows in the host mirror (or a
                token-granular copy for index rows) and the index-K dtype in the PD KV layout.
+
+How, in detail
+  HiCache: the indexer regions take their row bytes from the live device buffers (one
+  page row: numel x element_size()) for every layout, and every fused index row
+  (fp8 and bf16) is whole-page only (page_aligned_only). fp8 rows are routed to
+  whole pages, not proved correct token by token; a transfer that would need the
+  token-granular copy stops with an error naming the row bytes and why.
+  PD: the index-K dtype and page-row bytes of every indexer pool join the PD KV
+  layout (DeepSeekV4TokenToKVPool.pd_kv_layout, e.g. "c4_index_k=bf16/16384B"),
+  which the decode compares with the prefill's (upstream's check in
+  try_ensure_parallel_info) on its first request to that prefill, before a receiver
+  exists or any KV is allocated; a mismatch stops it with one line naming both
+  layouts. Second line (a decode without that check): when a decode registers, the
+  prefill compares the item length of every region the transfer pairs; a difference
+  refuses the pairing (no NIXL list is prepared) with one error line naming both
+  index-K dtypes, and every room with that peer fails at once with the same line,
+  which decode receives as the room's failure reason and logs.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _IndexerRegion
 
-from sglang_dsv4.register import Add, Fix, Replace
+from sglang_dsv4.fix import Add, Fix, Replace
 
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 _HOST = "sglang.srt.mem_cache.memory_pool_host"

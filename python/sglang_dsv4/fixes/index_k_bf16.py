@@ -1,49 +1,72 @@
-"""index-k-bf16: bf16 index keys for the DeepSeek-V4 c4 sparse-attention indexer.
+"""index-k-bf16: bf16 index keys for the DeepSeek-V4 c4 indexer.
 
 Register entry
   Target:      sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4IndexerPool
                sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool
-               sglang.srt.layers.attention.dsv4.indexer.C4Indexer (forward, compute_q_bf16)
+               sglang.srt.layers.attention.dsv4.indexer.C4Indexer
                sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin
                sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendMixin
                sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend
-  Why:         The lightning indexer keeps one 128-value key per compressed token of each c4 layer
-               (21 in DeepSeek-V4-Flash) and picks the top 512 for sparse attention. Upstream 0.5.23
-               stores keys as fp8 e4m3 with one fp32 scale per 128 values (132 B/token; fp4: 68) and
-               quantizes the query to fp8 too; the lost precision costs long-context recall.
-  How:         SGLANG_DSV4_INDEX_K_DTYPE=fp8|bf16|fp4 (default fp8, upstream's numerics). Under
-               bf16 the c4 pool stores the keys as they are: 256 B/token, no scale, same pages.
-               One function, dsv4_index_k_bytes_per_token, decides the bytes per indexer token for
-               every dtype; the pool allocates by it (and pool-sizing-bf16 prices by it).
-               Compute (bf16 pools only; fp8 and fp4 layers run upstream's code unchanged):
-               C4Indexer.forward routes the layer to forward_c4_indexer_bf16, which keeps the
-               query bf16 (RoPE + Hadamard, no fp8), scores the pool's bf16 pages with
-               sgl_kernel_dsv4.bf16_paged_mqa_logits and runs upstream's top-k step. Write:
-               DeepseekV4AttnBackend.forward_indexer_compressor runs upstream's compress_forward,
-               then store_bf16_index_keys_from_plan (RMSNorm, RoPE, Hadamard in fp32, bf16 into
-               the pool slots; rows that complete no token are skipped, as upstream skips them,
-               never aimed at slot 0).
-               Which path runs where: on CUDA three Triton kernels (sgl_kernel_dsv4; written for
-               sm_120): the fused query (index_query_bf16_triton), the fused key store
-               (store_index_keys_bf16_triton) and the logits (bf16_paged_mqa_logits_triton); on
-               any other device their torch references (index_rotation, index_logits), which
-               are also the tests' reference.
-               Logits launch rule: grid (rows, workers), workers from shapes and the device's SM
-               count only (CUDA-graph safe); each program walks its row's pages up to seq_len, so
-               work follows the keys, not the page-table width (in a decode CUDA graph as wide
-               as the longest context the server allows). Positions past seq_len are not written: upstream's top-k reads a row's
-               first seq_len scores only (torch / flashinfer-unfused mask the rest to -inf,
-               top-k v1 selects over [0, seq_len), v2 pads its last vector past seq_len) and
-               upstream itself calls DeepGEMM with clean_logits=False.
-               Memory: rows go in chunks (query, logits, top-k per chunk) of
-               indexer_rows_per_chunk(T, L, H) = min(T, 3/4 B // (12 L + 24 H * 128),
-               B/4 // (64 * (6 * 128 + 8 H + 8))), B the budget (SGLANG_DSV4_INDEXER_BUDGET_MIB,
-               default 512 MiB per rank), L the logits width, H the heads; peak <= B at any T
-               (the torch logits path keeps its page steps under B/4). At L = 262,144 (1M
-               tokens at ratio 4), H = 64: 3.34 MB per row, 120 rows per chunk; at L = 4,096:
-               246 KB per row, 1,628 rows. test_index_k_dispatch measures the peak on CPU.
+  Why:         The c4 lightning indexer scores every cached index key (128 values per compressed
+               token, 21 c4 layers in DeepSeek-V4-Flash) and keeps the top 512 for sparse attention.
+               Upstream 0.5.23 stores keys as fp8 e4m3 plus one fp32 scale per 128 values (132
+               B/token; fp4: 68) and quantizes the query to fp8; the precision lost there costs
+               long-context recall.
+  How:         SGLANG_DSV4_INDEX_K_DTYPE=fp8|bf16|fp4, default fp8 (upstream's numerics, so
+               installing the distribution changes nothing silently); fp4 goes with upstream's
+               --enable-deepseek-v4-fp4-indexer and a contradiction stops start-up. Under bf16 the
+               c4 indexer pool stores keys as they are: 256 B/token, no scale, in upstream's page
+               rows (same page count and registration), with bf16 set/get methods on the indexer and
+               token pools (the getters wait for the layer's HiCache transfer).
+               dsv4_index_k_bytes_per_token is the one byte rule for every dtype; the pool records
+               its dtype as index_k_dtype. Compute: C4Indexer.forward sends a layer whose pool is
+               bf16 to forward_c4_indexer_bf16 (others to upstream's forward_c4_indexer): the query
+               gets RoPE and the Hadamard rotation but stays bf16, sgl_kernel_dsv4's
+               bf16_paged_mqa_logits scores the pool's bf16 pages (-inf past each row's seq_len, as
+               upstream's top-k needs; the kernel's loads and dots follow the keys a row has, not
+               the page table's width), and upstream's top-k step follows, in row chunks whose
+               temporaries fit a budget (SGLANG_DSV4_INDEXER_BUDGET_MIB, default 512). Write path:
+               DeepseekV4AttnBackend.forward_indexer_compressor sends bf16 pools through upstream's
+               compress_forward, then RMSNorm, RoPE and Hadamard rotation in fp32 and a bf16 store
+               into the pool slots that skips rows completing no token, as upstream does; fp8 pools
+               keep upstream's fused fp8 store (forward_unified). On CUDA the query, the key store
+               and the logits are one Triton kernel each (written for sm_120); elsewhere their torch
+               references run.
   Upstream:    not upstream
   Remove when: upstream ships a bf16 (or otherwise lossless) index-K option for DeepSeek-V4.
+
+How, in detail
+  SGLANG_DSV4_INDEX_K_DTYPE=fp8|bf16|fp4 (default fp8, upstream's numerics). Under
+  bf16 the c4 pool stores the keys as they are: 256 B/token, no scale, same pages.
+  One function, dsv4_index_k_bytes_per_token, decides the bytes per indexer token for
+  every dtype; the pool allocates by it (and pool-sizing-bf16 prices by it).
+  Compute (bf16 pools only; fp8 and fp4 layers run upstream's code unchanged):
+  C4Indexer.forward routes the layer to forward_c4_indexer_bf16, which keeps the
+  query bf16 (RoPE + Hadamard, no fp8), scores the pool's bf16 pages with
+  sgl_kernel_dsv4.bf16_paged_mqa_logits and runs upstream's top-k step. Write:
+  DeepseekV4AttnBackend.forward_indexer_compressor runs upstream's compress_forward,
+  then store_bf16_index_keys_from_plan (RMSNorm, RoPE, Hadamard in fp32, bf16 into
+  the pool slots; rows that complete no token are skipped, as upstream skips them,
+  never aimed at slot 0).
+  Which path runs where: on CUDA three Triton kernels (sgl_kernel_dsv4; written for
+  sm_120): the fused query (index_query_bf16_triton), the fused key store
+  (store_index_keys_bf16_triton) and the logits (bf16_paged_mqa_logits_triton); on
+  any other device their torch references (index_rotation, index_logits), which
+  are also the tests' reference.
+  Logits launch rule: grid (rows, workers), workers from shapes and the device's SM
+  count only (CUDA-graph safe); each program walks its row's pages up to seq_len, so
+  loads and dots follow the keys, not the page-table width (in a decode CUDA graph
+  as wide as the longest context the server allows). Positions past seq_len are
+  -inf, filled by plain stores: upstream's torch / flashinfer-unfused top-k masks
+  them to select but gathers the unmasked scores, so a row with fewer finite scores
+  than 512 (holes in its page table) would otherwise select stale values.
+  Memory: rows go in chunks (query, logits, top-k per chunk) of
+  indexer_rows_per_chunk(T, L, H) = min(T, 3/4 B // (12 L + 24 H * 128),
+  B/4 // (64 * (6 * 128 + 8 H + 8))), B the budget (SGLANG_DSV4_INDEXER_BUDGET_MIB,
+  default 512 MiB per rank), L the logits width, H the heads; peak <= B at any T
+  (the torch logits path keeps its page steps under B/4). At L = 262,144 (1M
+  tokens at ratio 4), H = 64: 3.34 MB per row, 120 rows per chunk; at L = 4,096:
+  246 KB per row, 1,628 rows. test_index_k_dispatch measures the peak on CPU.
 
 Storage contract (the compute part of this fix, HiCache and PD build on it)
   - Dtype. SGLANG_DSV4_INDEX_K_DTYPE is read once per process (`requested_dsv4_index_k_dtype`,
@@ -55,7 +78,7 @@ Storage contract (the compute part of this fix, HiCache and PD build on it)
   - Each DeepSeekV4IndexerPool fixes its dtype when it creates its buffers and keeps it as
     `pool.index_k_dtype` ("fp8" | "bf16" | "fp4"); runtime code reads that, never the variable, so
     pools of several dtypes can live in one process. Tests switch dtypes by setting the variable
-    and calling `requested_dsv4_index_k_dtype.cache_clear()` (see `sglang_dsv4.plan`).
+    and calling `requested_dsv4_index_k_dtype.cache_clear()` (see `sglang_dsv4.plan.chain`).
   - Layout. Under bf16 the c4 indexer pool keeps upstream's buffer family: per layer one uint8
     tensor [num_pages, page_size * 256] (`index_k_with_scale_buffer`, same page count and the
     same page rows PD and HiCache register, item = one page). Its bf16 view is
@@ -69,9 +92,6 @@ Storage contract (the compute part of this fix, HiCache and PD build on it)
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 
@@ -89,79 +109,28 @@ from sglang.srt.layers.attention.dsv4.indexer import (
 )
 from sglang.srt.runtime_context import get_exec
 
-from sglang_dsv4.register import Add, Fix, Replace
+from sglang_dsv4.fix import Add, Fix, Replace
+from sglang_dsv4.index_k_dtype import (
+    dsv4_index_k_bytes_per_token,
+    dsv4_index_k_dtype_for,
+    parse_dsv4_index_k_dtype,
+    requested_dsv4_index_k_dtype,
+    resolve_dsv4_index_k_dtype,
+)
 
 POOL_MODULE = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
 INDEXER_POOL = f"{POOL_MODULE}.DeepSeekV4IndexerPool"
 TOKEN_POOL = f"{POOL_MODULE}.DeepSeekV4TokenToKVPool"
 
-INDEX_K_DTYPE_ENV = "SGLANG_DSV4_INDEX_K_DTYPE"
-INDEX_K_DTYPES = ("fp8", "bf16", "fp4")
-
 
 # --- storage: functions added to sglang.srt.mem_cache.deepseek_v4_memory_pool ------------------
-
-
-def parse_dsv4_index_k_dtype(value: str | None) -> str:
-    """Normalise a SGLANG_DSV4_INDEX_K_DTYPE value; unset or empty means fp8 (upstream's)."""
-    name = (value or "").strip().lower() or "fp8"
-    if name not in ("fp8", "bf16", "fp4"):
-        raise ValueError(
-            f"SGLANG_DSV4_INDEX_K_DTYPE={value!r} is not supported; allowed: fp8, bf16, fp4"
-        )
-    return name
-
-
-@functools.lru_cache(maxsize=1)
-def requested_dsv4_index_k_dtype() -> str | None:
-    """SGLANG_DSV4_INDEX_K_DTYPE as set, None when unset; read once per process.
-
-    Tests that build pools of several dtypes set the variable and call `.cache_clear()`.
-    """
-    value = os.environ.get("SGLANG_DSV4_INDEX_K_DTYPE", "").strip()
-    return parse_dsv4_index_k_dtype(value) if value else None
-
-
-def resolve_dsv4_index_k_dtype(use_fp4_indexer: bool) -> str:
-    """Dtype of an indexer pool's keys: fp4 when upstream's fp4 indexer builds the pool (the flag,
-    or a forced low-ratio pool), otherwise the requested fp8 (the default) or bf16."""
-    if use_fp4_indexer:
-        return "fp4"
-    requested = requested_dsv4_index_k_dtype()
-    if requested == "fp4":
-        raise ValueError(
-            "SGLANG_DSV4_INDEX_K_DTYPE=fp4 selects upstream's fp4 indexer: pass "
-            "--enable-deepseek-v4-fp4-indexer as well (or leave the variable unset)"
-        )
-    return requested or "fp8"
+# The dtype rules live in sglang_dsv4.index_k_dtype (imported above); this one reads the flag.
 
 
 def get_dsv4_c4_index_k_dtype() -> str:
     """Dtype the c4 indexer pool of this server stores; refuses a contradictory setting."""
     use_fp4_indexer = get_exec().kernel.enable_deepseek_v4_fp4_indexer
-    requested = requested_dsv4_index_k_dtype()
-    if use_fp4_indexer and requested not in (None, "fp4"):
-        raise ValueError(
-            f"SGLANG_DSV4_INDEX_K_DTYPE={requested} contradicts --enable-deepseek-v4-fp4-indexer, "
-            "which stores fp4 index keys; drop one of the two"
-        )
-    return resolve_dsv4_index_k_dtype(use_fp4_indexer)
-
-
-def dsv4_index_k_bytes_per_token(index_head_dim: int, index_k_dtype: str) -> int:
-    """Bytes one compressed token's index key takes in an indexer pool (payload + scales).
-
-    The one rule for allocation and sizing. At index_head_dim 128: bf16 256, fp8 132, fp4 68.
-    """
-    if index_k_dtype == "bf16":
-        return 2 * index_head_dim  # the key as computed, no scale
-    if index_k_dtype == "fp8":
-        # e4m3 values, then one fp32 scale for every 128 of them
-        return index_head_dim + 4 * (index_head_dim // 128)
-    if index_k_dtype == "fp4":
-        # two e2m1 values per byte, then one ue8m0 scale byte for every 32 of them
-        return index_head_dim // 2 + index_head_dim // 32
-    raise ValueError(f"unknown DeepSeek-V4 index-K dtype {index_k_dtype!r}")
+    return dsv4_index_k_dtype_for(requested_dsv4_index_k_dtype(), use_fp4_indexer)
 
 
 # --- storage: DeepSeekV4IndexerPool (the class only groups what this fix adds to it) ----------
@@ -239,6 +208,7 @@ STORAGE_REPLACES = (
 STORAGE_ADDS = (
     Add(owner=POOL_MODULE, func=parse_dsv4_index_k_dtype),
     Add(owner=POOL_MODULE, func=requested_dsv4_index_k_dtype),
+    Add(owner=POOL_MODULE, func=dsv4_index_k_dtype_for),
     Add(owner=POOL_MODULE, func=resolve_dsv4_index_k_dtype),
     Add(owner=POOL_MODULE, func=get_dsv4_c4_index_k_dtype),
     Add(owner=POOL_MODULE, func=dsv4_index_k_bytes_per_token),
@@ -529,6 +499,7 @@ COMPUTE_IMPORTS = {
 }
 # The kernels travel with the exported patch as new upstream modules.
 COMPUTE_NEW_FILES = {
+    "sglang.kernels.ops.attention.dsv4.bf16_index_contract": "sgl_kernel_dsv4.index_contract",
     "sglang.kernels.ops.attention.dsv4.bf16_index_logits": "sgl_kernel_dsv4.index_logits",
     "sglang.kernels.ops.attention.dsv4.bf16_index_logits_triton": "sgl_kernel_dsv4.index_logits_triton",
     "sglang.kernels.ops.attention.dsv4.index_rotation": "sgl_kernel_dsv4.index_rotation",
@@ -556,8 +527,8 @@ FIX = Fix(
         "Compute: C4Indexer.forward sends a layer whose pool is bf16 to forward_c4_indexer_bf16 "
         "(others to upstream's forward_c4_indexer): the query gets RoPE and the Hadamard "
         "rotation but stays bf16, sgl_kernel_dsv4's bf16_paged_mqa_logits scores the pool's "
-        "bf16 pages (each row's first seq_len positions; the kernel's work follows the keys a "
-        "row has, not the page table's width, and upstream's top-k reads no further), and "
+        "bf16 pages (-inf past each row's seq_len, as upstream's top-k needs; the kernel's "
+        "loads and dots follow the keys a row has, not the page table's width), and "
         "upstream's top-k step follows, in row chunks whose temporaries fit a budget "
         "(SGLANG_DSV4_INDEXER_BUDGET_MIB, default 512). Write path: DeepseekV4AttnBackend."
         "forward_indexer_compressor sends bf16 pools through upstream's compress_forward, then "

@@ -1,32 +1,41 @@
-"""index-k-transfer-gate: every index-K and compress-state read waits for its layer's transfer.
+"""index-k-transfer-gate: every index-K / compress-state read waits for its layer's HiCache transfer.
 
 Register entry
-  Target:      sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool
-               (register_layer_transfer_counter added; its get_* methods probed)
-  Why:         With HiCache on, a layer's index-K pages and compress states are loaded host -> device
-               layer by layer, and a reader must first wait for its layer (wait_layer_transfer). A
-               read that skips the wait scores stale keys; the twice-larger bf16 rows widened that
-               race and corrupted 12-18% of tool-call responses at 60+ concurrent sessions in
-               production (none with HiCache off or with fp8 keys).
-  How:         When HiCache installs its layer counter (register_layer_transfer_counter), the
-               pool probes behaviour, not names: every get_* method of its class (subclasses
-               included) that takes an argument is called with a layer id first, whatever the
-               parameter is named, on one layer of each kind in the stage (sliding, c4, c128,
-               low ratio), twice. Before each call the index-K and compress-state memory (first
-               row of every tensor of the indexer and compress-state pools) holds another
-               pattern; the probe counter's wait overwrites it with one sentinel, as a landed
-               load does. A getter that waits before it reads returns the same both times; one
-               that read first (a copy, a computed value, or a view with no wait) does not, and
-               start-up stops with one line naming the getter, the layer kind and why. A wait
-               for another layer, or a parameter the probe has no value for, is refused too. The
-               probed memory is restored afterwards. Memory handed out for writing only
-               (get_swa_raw_buffer, SWA) is outside this gate and not probed.
+  Target:      sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.wait_layer_transfer
+               sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.register_layer_transfer_counter
+  Why:         With HiCache on, index-K pages and compress states are loaded host -> device layer by
+               layer; a read that does not first wait for its layer (wait_layer_transfer) scores
+               stale keys. The twice-larger bf16 rows widened that race and corrupted 12-18% of
+               tool-call responses at 60+ concurrent sessions in production (none with HiCache off
+               or with fp8 keys).
+  How:         DeepSeekV4TokenToKVPool.register_layer_transfer_counter (added) probes behaviour
+               first: every get_* method that takes an argument is called with a layer id first
+               (whatever the parameter is named) on one layer of each kind (sliding, c4, c128, low
+               ratio), twice, with other bytes in the index-K and compress-state memory each time
+               and a probe counter whose wait overwrites them with one sentinel. A result that
+               differs was read before the wait (a copy, a computed value, or a view with no wait);
+               so is a wait for another layer, and a parameter the probe cannot supply is refused
+               too. HiCache start-up then fails with one line naming each such getter and layer
+               kind; the probed memory is restored.
   Upstream:    upstream 0.5.23 gates its own getters (get_index_k_*, get_low_ratio_index_k_*,
-               get_*_compress_states all wait first); the start-up check is not upstream. The
-               contract test (test/behaviour/test_transfer_gate.py) runs on fp8, bf16 and low-ratio
-               pools.
+               get_*_compress_states); the start-up check is not upstream
   Remove when: upstream checks its layer-transfer gates itself (or keeps an equivalent test) and
                index-k-bf16 is upstream.
+
+How, in detail
+  When HiCache installs its layer counter (register_layer_transfer_counter), the
+  pool probes behaviour, not names: every get_* method of its class (subclasses
+  included) that takes an argument is called with a layer id first, whatever the
+  parameter is named, on one layer of each kind in the stage (sliding, c4, c128,
+  low ratio), twice. Before each call the index-K and compress-state memory (first
+  row of every tensor of the indexer and compress-state pools) holds another
+  pattern; the probe counter's wait overwrites it with one sentinel, as a landed
+  load does. A getter that waits before it reads returns the same both times; one
+  that read first (a copy, a computed value, or a view with no wait) does not, and
+  start-up stops with one line naming the getter, the layer kind and why. A wait
+  for another layer, or a parameter the probe has no value for, is refused too. The
+  probed memory is restored afterwards. Memory handed out for writing only
+  (get_swa_raw_buffer, SWA) is outside this gate and not probed.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
-from sglang_dsv4.register import Add, Fix
+from sglang_dsv4.fix import Add, Fix
 
 _POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
 

@@ -1,40 +1,34 @@
-"""pool-sizing-bf16: price the DeepSeek-V4 indexer as it is stored, and size the pools exactly.
+"""pool-sizing-bf16: price the DeepSeek-V4 indexer as it is stored and size the pools exactly.
 
 Register entry
   Target:      sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token
                sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator
   Why:         DSV4PoolConfigurator prices the c4 indexer with the fp8 estimate (132 B/token; fp4
-               only on HIP) whatever the pool stores. A bf16 pool (256 B/token) is under-budgeted
-               by 124 B per c4 token: 1.1 GB (1.02 GiB) per rank over-committed at a KV budget of
-               13.7 GiB per rank, 3.44 GiB at 40 GiB (DeepSeek-V4-Flash, TP 4, decode, 256
-               requests; `sglang-dsv4 plan --compare --kv-memory-gib 13.7`), and output corrupted
-               under 60+ concurrent sessions. 7086.75 B per full token priced, 7737.75 stored (21
-               c4 layers x 124 B / compress ratio 4 = 651 more). On NVIDIA the fp4 indexer
-               (68 B/token) was priced as fp8 too: over-reserved, not unsafe.
-               Beyond that, upstream's coefficient leaves bytes uncounted in every configuration:
-               one reserved logical page per paged pool and layer (_num_dsv4_physical_kv_pages:
-               SWA 43 x 149,760 B, c4 KV 21 x 4 x 37,440, c4 indexer 21 x 4 x 64 x 132 (fp8) or
-               x 256 (bf16), c128 KV 20 x 128 x 1,728) and the ring + 1 rows, padded to 4, of each
-               c4 state pool (21 x 12 x 10,240): 17,298,432 B per rank with fp8 keys, 17,965,056 B
-               with bf16, whatever the budget; page rounding of the SWA share gives some of it back.
-               At 40 GiB the pools took 11,416,128 B (fp8) / 16,616,640 B (bf16) more than the
-               budget. The request count the fixed c128 state is priced for is also an estimate
-               where --max-running-requests is not given.
-  How:         The configurator's full-token price (_get_bytes_per_full_token, computed in its
-               __init__ right after the fp8 estimate) first re-prices the c4 indexer with
-               c4_indexer_bytes_per_token: index-k-bf16's dsv4_index_k_bytes_per_token for the dtype
-               the c4 pool will store (get_dsv4_c4_index_k_dtype). get_dsv4_indexer_bytes_per_token
-               (still used for the fp4 low-ratio pools, which stay as upstream has them) delegates to
-               the same rule, so the formula exists once. calculate_pool_sizes then searches the
-               largest page count whose pools fit: exact_pool_bytes counts what the paged pools
-               (and an MTP draft's SWA pool) allocate, page by page and row by row, for the request
-               slots the scheduler will settle on (scheduler_max_running_requests). Allocation <=
-               budget, and budget - allocation < one more page of every pool. Layouts it does not
-               cover (unified ring, trtllm, NPU, HiSparse, encoder replay, online c128, ratio 1/2
-               layers) keep upstream's estimate.
+               only on HIP) whatever the pool stores. A bf16 pool (256 B/token) is under-budgeted by
+               124 B per c4 token: 1.1 GB (1.02 GiB) per rank over-committed at a KV budget of 13.7
+               GiB per rank, 3.44 GiB at 40 GiB (DeepSeek-V4-Flash, TP 4, decode, 256 requests), and
+               output corrupted under 60+ concurrent sessions. 7086.75 B per full token priced,
+               7737.75 stored (21 c4 layers x 124 B / compress ratio 4 = 651 more). The NVIDIA fp4
+               indexer (68 B/token) was priced as fp8 as well, reserving memory it never used.
+               Beyond the price, the configurator leaves uncounted one reserved logical page per
+               paged pool and layer (SWA, c4 KV, c4 indexer, c128 KV) and the ring + 1 padded rows
+               of each c4 state pool: 17,298,432 B per rank with fp8 keys, 17,965,056 B with bf16,
+               whatever the budget; at 40 GiB the pools took 11,416,128 B (fp8) / 16,616,640 B
+               (bf16) more than the budget.
+  How:         DSV4PoolConfigurator._get_bytes_per_full_token, which __init__ calls right after its
+               fp8 estimate, first re-prices the c4 indexer (c4_indexer_bytes_per_token) with the
+               rule the pool allocates by (dsv4_index_k_bytes_per_token, for the dtype the c4 pool
+               will store). get_dsv4_indexer_bytes_per_token delegates to the same rule, so there is
+               one formula; the fp4 low-ratio pools stay priced and built as upstream has them.
+               DSV4PoolConfigurator.calculate_pool_sizes searches the largest page count whose pools
+               fit the budget, counted by exact_pool_bytes (every page and state row the paged pools
+               and an MTP draft's SWA pool allocate, for the request slots the scheduler will settle
+               on): allocation <= budget, and budget - allocation < one more page of every pool.
+               Layouts it does not cover (unified ring, trtllm, NPU, HiSparse, encoder replay,
+               online c128, ratio 1/2 layers) keep upstream's estimate.
   Upstream:    not upstream
-  Remove when: upstream's configurator takes the indexer's bytes from the pool's own rule and
-               sizes its pools by what they allocate.
+  Remove when: upstream's configurator takes the indexer's bytes from the pool's own rule and sizes
+               its pools by what they allocate.
 """
 
 from __future__ import annotations
@@ -50,12 +44,12 @@ from sglang.srt.model_executor.pool_configurator import (
     logger,
 )
 
+from sglang_dsv4.fix import Add, Fix, Replace
 from sglang_dsv4.fixes.index_k_bf16 import (
     POOL_MODULE,
     dsv4_index_k_bytes_per_token,
     get_dsv4_c4_index_k_dtype,
 )
-from sglang_dsv4.register import Add, Fix, Replace
 
 CONFIGURATOR_MODULE = "sglang.srt.model_executor.pool_configurator"
 CONFIGURATOR = f"{CONFIGURATOR_MODULE}.DSV4PoolConfigurator"

@@ -1,6 +1,6 @@
 """`sglang-dsv4 export-patches`: every carried change as a git patch against the pinned upstream.
 
-The patches are generated from the register alone (`sglang_dsv4.register`), from the very function
+The patches are generated from the register alone (`sglang_dsv4.fix`), from the very function
 objects the plugin installs, so the two deliveries cannot drift apart:
 
 - `Replace(target, func)`: the source of `func` (`inspect.getsource`) takes the place of the
@@ -43,135 +43,42 @@ out (`python/sglang/...`).
 from __future__ import annotations
 
 import ast
-import builtins
 import functools
 import importlib
 import importlib.util
 import inspect
-import os
 import shutil
-import subprocess
-import symtable
 import sys
 import tempfile
 import textwrap
-import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import libcst as cst
 
 from sglang_dsv4 import UPSTREAM_PIN
-from sglang_dsv4.register import Fix
+from sglang_dsv4.fix import Fix
+from sglang_dsv4.maintain.formatting import format_file, format_written, sort_imports
+from sglang_dsv4.maintain.names import (
+    bound_names,
+    check_names,
+    declared_bindings,
+    has_future_annotations,
+    only_imports,
+    used_globals,
+)
+from sglang_dsv4.maintain.upstream import (
+    AUTHOR_NAME,
+    ExportError,
+    git,
+    init_repo,
+    upstream_python_dir,
+)
 
-AUTHOR_NAME = "sglang-dsv4-sm120"
-AUTHOR_EMAIL = "maintainers@sglang-dsv4-sm120.invalid"
-# Fixed so that the same code always exports the same bytes.
-PATCH_DATE = "2026-12-01T00:00:00+00:00"
 LAST_UPDATE = "2026-12-01"
-UPSTREAM_LINE_LENGTH = 88
 # Packages of this distribution: upstream's tree cannot import them, only carry them (new_files).
 DISTRIBUTION_PACKAGES = ("sglang_dsv4", "sgl_kernel_dsv4")
-MODULE_DUNDERS = {"__name__", "__file__", "__doc__", "__spec__", "__package__", "__loader__"}
-
-
-class ExportError(Exception):
-    """The series cannot be exported as asked; the message is one line."""
-
-
-# --- upstream source ----------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "sglang-dsv4"
-
-
-def fetch_pinned_upstream() -> Path:
-    """The `python/` directory of the pinned release, unpacked from its wheel (downloaded once)."""
-    return fetch_upstream(UPSTREAM_PIN)
-
-
-def fetch_upstream(release: str) -> Path:
-    """The `python/` directory of an upstream release, unpacked from its wheel (downloaded once)."""
-    root = cache_root() / f"sglang-{release}"
-    if (root / "python" / "sglang").is_dir():
-        return root / "python"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        cmd += ["--dest", tmp, f"sglang=={release}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("sglang-*.whl"))
-        if proc.returncode or not wheels:
-            reason = _last_line(proc.stderr or proc.stdout) or "no wheel"
-            raise ExportError(
-                f"cannot download sglang=={release} with pip ({reason}); "
-                "pass --upstream-src DIR with upstream's source instead"
-            )
-        staging = Path(tmp) / "tree"
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            members = [name for name in wheel.namelist() if name.startswith("sglang/")]
-            wheel.extractall(staging / "python", members)
-        try:
-            staging.rename(root)  # atomic: a present cache is a complete one
-        except OSError:
-            if not (root / "python" / "sglang").is_dir():
-                raise
-    return root / "python"
-
-
-def python_dir_of(src: Path) -> Path:
-    """The directory holding the `sglang` package: `src/python` (a repository) or `src`."""
-    if not src.is_dir():
-        raise ExportError(f"upstream source {src} is not a directory")
-    for candidate in (src / "python", src):
-        if (candidate / "sglang" / "__init__.py").is_file():
-            return candidate
-    raise ExportError(f"{src} holds no upstream sglang source (no python/sglang/ or sglang/ in it)")
-
-
-def tree_version(python_dir: Path) -> str:
-    """The sglang version of a source tree: `_version.py`, else pyproject.toml, else its git tag."""
-    version_file = python_dir / "sglang" / "_version.py"
-    if version_file.is_file():
-        for node in ast.parse(version_file.read_text()).body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-                names = {t.id for t in node.targets if isinstance(t, ast.Name)}
-                if "__version__" in names and isinstance(node.value.value, str):
-                    return node.value.value
-    pyproject = python_dir / "pyproject.toml"
-    if pyproject.is_file() and sys.version_info >= (3, 11):
-        import tomllib
-
-        version = tomllib.loads(pyproject.read_text()).get("project", {}).get("version")
-        if version:
-            return version
-    proc = subprocess.run(
-        ["git", "describe", "--tags", "--exact-match"],
-        cwd=python_dir,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode == 0 and proc.stdout.strip():
-        return proc.stdout.strip().removeprefix("v")
-    raise ExportError(
-        f"cannot tell which sglang version {python_dir} holds "
-        "(no sglang/_version.py, no version in pyproject.toml, no release tag)"
-    )
-
-
-def upstream_python_dir(src: Path | None) -> Path:
-    """The pinned upstream's `python/` directory: `src`, or the pinned wheel when None."""
-    python_dir = fetch_pinned_upstream() if src is None else python_dir_of(src)
-    found = tree_version(python_dir)
-    if found != UPSTREAM_PIN:
-        raise ExportError(
-            f"upstream tree {src or python_dir} is sglang {found}, "
-            f"the distribution is pinned to {UPSTREAM_PIN}"
-        )
-    return python_dir
 
 
 # --- the functions a fix writes -----------------------------------------------------------------
@@ -191,7 +98,7 @@ class Written:
     name: str  # its name there
     label: str  # for messages: "fix X: target T (function f)"
     replaces: bool  # True: takes the place of upstream's definition; False: added
-    takes_routes: object = None  # register.Routes of an added function serving an endpoint
+    takes_routes: object = None  # fix.Routes of an added function serving an endpoint
 
     @property
     def in_class(self) -> bool:
@@ -282,93 +189,6 @@ def _check_class_safe(written: Written) -> None:
                 f"{written.label}: {name} is name-mangled inside a class body but not in the "
                 "runtime hook; use a single underscore"
             )
-
-
-# --- names --------------------------------------------------------------------------------------
-
-
-def used_globals(source: str, name: str, future_annotations: bool) -> tuple[set[str], set[str]]:
-    """Global names the def `name` in `source` uses: (when the def statement runs: decorators,
-    defaults, annotations unless postponed; when the function runs)."""
-    prefix = "from __future__ import annotations\n" if future_annotations else ""
-    top = symtable.symtable(prefix + source, "<written>", "exec")
-    at_def = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
-    at_call: set[str] = set()
-    for child in top.get_children():
-        # lambdas and comprehensions beside the def's own scope sit in its defaults: def time
-        _globals_of(child, at_call if child.get_name() == name else at_def)
-    return at_def - {"annotations"}, at_call
-
-
-def _globals_of(table: symtable.SymbolTable, out: set[str]) -> None:
-    for sym in table.get_symbols():
-        if sym.is_global() and sym.is_referenced():
-            out.add(sym.get_name())
-    for child in table.get_children():
-        _globals_of(child, out)
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def bound_names(statements: Iterable[ast.stmt]) -> set[str]:
-    """Names a block of statements binds at runtime (`if TYPE_CHECKING:` bodies excluded)."""
-    names: set[str] = set()
-    for node in statements:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            names |= bound_names(node.orelse)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
-        else:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.stmt):
-                    names |= bound_names([child])
-                elif isinstance(child, ast.excepthandler):
-                    names |= ({child.name} if child.name else set()) | bound_names(child.body)
-                else:
-                    names |= _stored_names(child)
-    return names
-
-
-def _stored_names(node: ast.AST) -> set[str]:
-    if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-        return set()
-    found = {node.id} if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) else set()
-    for child in ast.iter_child_nodes(node):
-        found |= _stored_names(child)
-    return found
-
-
-def _has_future_annotations(module: cst.Module) -> bool:
-    return any(
-        isinstance(small, cst.ImportFrom)
-        and isinstance(small.module, cst.Name)
-        and small.module.value == "__future__"
-        and not isinstance(small.names, cst.ImportStar)
-        and any(alias.name.value == "annotations" for alias in small.names)
-        for statement in module.body
-        if _only_imports(statement)
-        for small in statement.body
-    )
-
-
-def _find_ast_def(module: ast.Module, class_path: Sequence[str], name: str):
-    statements = module.body
-    cls = None
-    for class_name in class_path:
-        cls = next(n for n in statements if isinstance(n, ast.ClassDef) and n.name == class_name)
-        statements = cls.body
-    node = next(
-        n
-        for n in statements
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
-    )
-    return cls, node
 
 
 # --- the tree being patched ---------------------------------------------------------------------
@@ -484,7 +304,7 @@ def _statement_binds(statement: cst.BaseStatement) -> set[str]:
 def _insert_module_level(statements: list, written: Written, needs: set[str]) -> list:
     """After the last top-level statement binding a name the function uses, else at the end."""
     depends = [
-        i for i, s in enumerate(statements) if not _only_imports(s) and _statement_binds(s) & needs
+        i for i, s in enumerate(statements) if not only_imports(s) and _statement_binds(s) & needs
     ]
     if depends:
         position = depends[-1] + 1
@@ -510,21 +330,15 @@ def _is_main_guard(statement: cst.BaseStatement) -> bool:
     )
 
 
-def _only_imports(statement: cst.BaseStatement) -> bool:
-    return isinstance(statement, cst.SimpleStatementLine) and all(
-        isinstance(s, (cst.Import, cst.ImportFrom)) for s in statement.body
-    )
-
-
 def _insert_imports(statements: list, lines: Sequence[cst.SimpleStatementLine]) -> list:
     """After the last import of the module's leading block, skipping those already there."""
     code_of = cst.Module(body=[]).code_for_node
-    have = {code_of(small) for s in statements if _only_imports(s) for small in s.body}
+    have = {code_of(small) for s in statements if only_imports(s) for small in s.body}
     position = 0
     for i, statement in enumerate(statements):
         if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
             break
-        if _only_imports(statement) or (i == 0 and _is_docstring(statement)):
+        if only_imports(statement) or (i == 0 and _is_docstring(statement)):
             position = i + 1
     for line in lines:
         code = code_of(line.body[0])
@@ -541,64 +355,6 @@ def _is_docstring(statement: cst.BaseStatement) -> bool:
         and isinstance(statement.body[0], cst.Expr)
         and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
-
-
-# --- formatting with ruff -----------------------------------------------------------------------
-
-
-def _ruff(args: list[str], text: str, cwd: Path) -> str:
-    cmd = [sys.executable, "-m", "ruff", *args, "--isolated", "--stdin-filename", "patched.py", "-"]
-    try:
-        proc = subprocess.run(cmd, input=text, capture_output=True, text=True, cwd=cwd)
-    except OSError as exc:
-        raise ExportError(f"cannot run ruff ({exc})") from None
-    if proc.returncode:
-        raise ExportError(f"ruff {args[0]} failed: {_last_line(proc.stderr)}")
-    return proc.stdout
-
-
-def format_blocks(text: str, defs: Iterable[tuple[Sequence[str], str]], cwd: Path) -> str:
-    """Format the defs (class path, name) of `text` in place, as upstream's black would, and
-    nothing else (ruff format --range, bottom-up so that earlier line numbers hold)."""
-    module = ast.parse(text)
-    spans = []
-    for class_path, name in defs:
-        _, node = _find_ast_def(module, class_path, name)
-        spans.append(
-            (min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno)
-        )
-    for first, last in sorted(set(spans), reverse=True):
-        args = [
-            "format",
-            f"--line-length={UPSTREAM_LINE_LENGTH}",
-            f"--range={first}:1-{last + 1}:1",
-        ]
-        text = _ruff(args, text, cwd)
-    return text
-
-
-def format_written(before: str, text: str, defs: Iterable[tuple[Sequence[str], str]], cwd: Path):
-    """`text` (= `before` + the written defs) formatted where the series wrote it: the whole file
-    in one pass when `before` was formatted already (nothing else can change), else def by def."""
-    whole = ["format", f"--line-length={UPSTREAM_LINE_LENGTH}"]
-    if _ruff(whole, before, cwd) == before:
-        return _ruff(whole, text, cwd)
-    return format_blocks(text, defs, cwd)
-
-
-def sort_imports(text: str, cwd: Path) -> str:
-    args = [
-        "check",
-        "--select=I",
-        "--fix-only",
-        "--exit-zero",
-        f"--line-length={UPSTREAM_LINE_LENGTH}",
-    ]
-    return _ruff(args + ["--config=lint.isort.known-first-party=['sglang']"], text, cwd)
-
-
-def format_file(text: str, cwd: Path) -> str:
-    return sort_imports(_ruff(["format", f"--line-length={UPSTREAM_LINE_LENGTH}"], text, cwd), cwd)
 
 
 # --- carried distribution modules ---------------------------------------------------------------
@@ -718,7 +474,7 @@ def _import_statements(fix: Fix, module: str, tree: Tree) -> list[cst.SimpleStat
             statement = cst.parse_statement(line)
         except cst.ParserSyntaxError:
             raise ExportError(f"{where}: not one Python import statement") from None
-        if not _only_imports(statement) or len(statement.body) != 1:
+        if not only_imports(statement) or len(statement.body) != 1:
             raise ExportError(f"{where}: not one Python import statement")
         rewritten = _rewrite_imports(cst.Module(body=[statement]).code, tree.carried, None, where)
         statements.append(cst.parse_statement(rewritten))
@@ -742,9 +498,9 @@ def apply_fix(fix: Fix, tree: Tree, carry_new_files: bool = True) -> list[str]:
         statements = list(parsed.body)
         if module in fix.imports:
             statements = _insert_imports(statements, _import_statements(fix, module, tree))
-            for name, value in _declared_bindings(fix, module, tree).items():
+            for name, value in declared_bindings(fix, module, tree).items():
                 tree.bindings[(module, name)] = value
-        future = _has_future_annotations(parsed)
+        future = has_future_annotations(parsed)
         ours = [w for w in written if w.module == module]
         for w in ours:
             if w.in_class:
@@ -790,7 +546,7 @@ def _writer(w: Written, path: str, future: bool) -> Callable[[list], list]:
 
 
 def _take_routes(body: list, w: Written, path: str) -> list:
-    """Move the endpoint's route decorators onto `w`, written right after it (register.Routes)."""
+    """Move the endpoint's route decorators onto `w`, written right after it (fix.Routes)."""
     endpoint = w.takes_routes.endpoint
     index = _def_index(body, (cst.FunctionDef,), endpoint, w.label, path)
     if index is None:
@@ -803,137 +559,6 @@ def _take_routes(body: list, w: Written, path: str) -> list:
         decorators=list(original.decorators), leading_lines=[_blank(), _blank()]
     )
     return body[: index + 1] + [taken] + body[index + 1 :]
-
-
-def check_names(w: Written, patched: ast.Module, future: bool, tree: Tree) -> None:
-    """Every global `w` uses resolves in the patched module, and to the object the fix module
-    binds at runtime (where the hook runs the same function)."""
-    at_def, at_call = used_globals(w.source, w.func.__name__, future)
-    module_names = bound_names(patched.body) | MODULE_DUNDERS
-    class_names: set[str] = set()
-    if w.in_class:
-        cls, _ = _find_ast_def(patched, w.class_path, w.name)
-        class_names = bound_names(cls.body)
-    for name in sorted(at_def | at_call):
-        visible = module_names | (class_names if name in at_def else set())
-        if name not in visible and not hasattr(builtins, name):
-            raise ExportError(
-                f"{w.label}: name {name} does not resolve in {w.module} after the patch "
-                "(not defined or imported there, not added by the series, not a builtin)"
-            )
-    runtime = w.func.__globals__
-    try:
-        upstream = importlib.import_module(w.module)
-    except ImportError as exc:
-        raise ExportError(
-            f"{w.label}: cannot import {w.module} to compare bindings ({exc})"
-        ) from None
-    for name in sorted(at_call | (at_def - class_names) - MODULE_DUNDERS):
-        if (w.module, name) in tree.bindings:
-            expected = tree.bindings[(w.module, name)]
-        elif name in module_names and hasattr(upstream, name):
-            expected = getattr(upstream, name)
-        elif name in module_names:
-            raise ExportError(
-                f"{w.label}: name {name} is bound in {w.module}'s source but not on the "
-                "imported module; cannot check that hook and patch agree on it"
-            )
-        else:
-            expected = getattr(builtins, name)
-        actual = runtime.get(name, getattr(builtins, name, None))
-        if name not in runtime and not hasattr(builtins, name):
-            raise ExportError(
-                f"{w.label}: name {name} is not bound in {w.func.__module__}, "
-                "so the runtime hook would raise NameError; import it there"
-            )
-        if _plain(actual) is not _plain(expected):
-            raise ExportError(
-                f"{w.label}: name {name} is a different object in {w.func.__module__} than in "
-                f"{w.module} after the patch; import it from there (one source for hook and patch)"
-            )
-
-
-def _plain(obj):
-    return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-
-
-def _declared_bindings(fix: Fix, module: str, tree: Tree) -> dict[str, object]:
-    """The objects the fix's declared import lines for `module` bind, as written (before any
-    carried-module rewrite); names the series adds to a module come from the series."""
-    bound: dict[str, object] = {}
-    for line in fix.imports.get(module, ()):
-        where = f"fix {fix.id}: import {line!r} for {module}"
-        statement = ast.parse(line).body[0]
-        try:
-            if isinstance(statement, ast.Import):
-                for alias in statement.names:
-                    if alias.asname:
-                        bound[alias.asname] = importlib.import_module(alias.name)
-                    else:
-                        top = alias.name.split(".")[0]
-                        importlib.import_module(alias.name)
-                        bound[top] = importlib.import_module(top)
-                continue
-            if statement.level:
-                raise ExportError(f"{where}: write it as an absolute import")
-            source = importlib.import_module(statement.module)
-            for alias in statement.names:
-                key = (statement.module, alias.name)
-                if key in tree.bindings:
-                    value = tree.bindings[key]
-                elif hasattr(source, alias.name):
-                    value = getattr(source, alias.name)
-                else:
-                    value = importlib.import_module(f"{statement.module}.{alias.name}")
-                bound[alias.asname or alias.name] = value
-        except ImportError as exc:
-            raise ExportError(f"{where}: {exc}") from None
-    return bound
-
-
-# --- git ----------------------------------------------------------------------------------------
-
-
-def _git_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_AUTHOR_NAME=AUTHOR_NAME,
-        GIT_AUTHOR_EMAIL=AUTHOR_EMAIL,
-        GIT_AUTHOR_DATE=PATCH_DATE,
-        GIT_COMMITTER_NAME=AUTHOR_NAME,
-        GIT_COMMITTER_EMAIL=AUTHOR_EMAIL,
-        GIT_COMMITTER_DATE=PATCH_DATE,
-        TZ="UTC",
-        LC_ALL="C",
-        # A whole upstream tree is more loose objects than gc.auto allows: git would start a
-        # detached gc that still writes into .git while the caller removes the directory.
-        GIT_CONFIG_COUNT="1",
-        GIT_CONFIG_KEY_0="gc.auto",
-        GIT_CONFIG_VALUE_0="0",
-    )
-    return env
-
-
-def git(args: list[str], cwd: Path) -> str:
-    try:
-        proc = subprocess.run(
-            ["git", *args], cwd=cwd, env=_git_env(), capture_output=True, text=True
-        )
-    except OSError as exc:
-        raise ExportError(f"cannot run git ({exc})") from None
-    if proc.returncode:
-        raise ExportError(
-            f"git {args[0]} failed in {cwd}: {_last_line(proc.stderr or proc.stdout)}"
-        )
-    return proc.stdout
-
-
-def _init_repo(root: Path) -> None:
-    git(["init", "--quiet", "--initial-branch=main"], root)
-    git(["add", "--all"], root)
-    git(["commit", "--quiet", "--allow-empty", "--message=upstream sglang " + UPSTREAM_PIN], root)
 
 
 def commit_message(fix: Fix) -> str:
@@ -1012,7 +637,7 @@ def export_series(fixes: Sequence[Fix], python_dir: Path, out: Path) -> list[Out
             if source.is_file():
                 (repo / path).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, repo / path)
-        _init_repo(repo)
+        init_repo(repo)
         for text_of_message, _, texts in snapshots:
             for path, text in texts.items():
                 (repo / path).parent.mkdir(parents=True, exist_ok=True)
@@ -1069,15 +694,10 @@ def apply_series(out: Path, python_dir: Path, dest: Path) -> list[str]:
         dest / "python" / "sglang",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-    _init_repo(dest)
+    init_repo(dest)
     if names:
         git(["am", "--quiet", *[str((out / name).resolve()) for name in names]], dest)
     return names
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 # --- command line -------------------------------------------------------------------------------

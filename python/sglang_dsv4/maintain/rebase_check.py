@@ -31,12 +31,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sglang_dsv4 import UPSTREAM_PIN
+from sglang_dsv4.hooks import Problem, Reason
+from sglang_dsv4.maintain import export, upstream
+from sglang_dsv4.maintain.upstream import git_env
 
 NEEDED = "needed"
 ALREADY = "already upstream"
 BROKEN = "broken"
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # Upstream's loader skips every plugin when SGLANG_PLUGINS names only one that does not exist.
 NO_PLUGIN = "upstream-only"
 
@@ -60,7 +63,7 @@ class FixFacts:
     patches: list[str] = field(default_factory=list)
     already_applied: list[str] = field(default_factory=list)
     not_applying: list[str] = field(default_factory=list)  # "patch: hunk" lines
-    precheck: str | None = None
+    precheck: Reason | None = None  # the plugin's precheck on the tree (sglang_dsv4.hooks)
     results: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # delivery -> outcome
 
 
@@ -74,21 +77,22 @@ def register() -> list[tuple[object, str]]:
     return [(entry.load(), entry.module) for entry in REGISTER]
 
 
-def probe(modules: list[str]) -> dict[str, str | None]:
+def probe(modules: list[str]) -> dict[str, Reason | None]:
     """In the child process: each fix module imported on its own (the register's package
     imports none), so one fix that cannot import on this tree does not hide the others'
     verdicts; then its targets are checked as the plugin checks them."""
-    from sglang_dsv4.plugin import precheck
+    from sglang_dsv4.hooks import precheck
 
     isolation = _isolation_problem()
     if isolation:
         raise RebaseCheckError(isolation)
-    found: dict[str, str | None] = {}
+    found: dict[str, Reason | None] = {}
     for name in modules:
         try:
             fix = importlib.import_module(name).FIX
         except Exception as exc:  # an ImportError, or upstream code failing as it imports
-            found[name] = f"fix module {name} does not import: {_one_line(exc)}"
+            text = f"fix module {name} does not import: {_one_line(exc)}"
+            found[name] = Reason(Problem.FIX_DOES_NOT_IMPORT, text)
             continue
         found[name] = precheck(fix)
     return found
@@ -135,8 +139,8 @@ def _env(python_dir: Path, plugin: bool, skip: list[str] = ()) -> dict[str, str]
     return env
 
 
-def run_probe(python_dir: Path, modules: list[str]) -> dict[str, str | None]:
-    cmd = [sys.executable, "-m", "sglang_dsv4.rebase_check", "--probe", *modules]
+def run_probe(python_dir: Path, modules: list[str]) -> dict[str, Reason | None]:
+    cmd = [sys.executable, "-m", "sglang_dsv4.maintain.rebase_check", "--probe", *modules]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env=_env(python_dir, plugin=False), cwd=REPO_ROOT
     )
@@ -144,7 +148,7 @@ def run_probe(python_dir: Path, modules: list[str]) -> dict[str, str | None]:
     if proc.returncode or not lines:
         reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RebaseCheckError(f"the probe on {python_dir} failed: {reason[0]}")
-    return json.loads(lines[-1])
+    return {module: Reason.from_json(found) for module, found in json.loads(lines[-1]).items()}
 
 
 # "test/behaviour/test_x.py::test_y[fp8] PASSED [ 10%]" as pytest -v prints each outcome.
@@ -209,9 +213,7 @@ def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str],
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    from sglang_dsv4.export import _git_env
-
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=_git_env())
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=git_env())
 
 
 def _hunk(stderr: str) -> str:
@@ -269,10 +271,10 @@ def decide(fix, fact: FixFacts, version: str, tests_run: bool) -> Verdict:
             f"{', '.join(fact.already_applied)} already applied to the tree (reverse-applies)"
         )
         return Verdict(fix.id, ALREADY, evidence + retire, delete)
-    if fact.precheck and "upstream now defines it" in fact.precheck:
-        return Verdict(fix.id, ALREADY, fact.precheck + retire, delete)
+    if fact.precheck and fact.precheck.upstream_has_it:
+        return Verdict(fix.id, ALREADY, fact.precheck.text + retire, delete)
     if fact.precheck:
-        return Verdict(fix.id, BROKEN, fact.precheck)
+        return Verdict(fix.id, BROKEN, fact.precheck.text)
     if fact.not_applying:
         return Verdict(fix.id, BROKEN, "patch " + fact.not_applying[0])
     if not tests_run:
@@ -309,10 +311,8 @@ class Series:
 
 
 def export_pinned_series(directory: Path) -> Series:
-    from sglang_dsv4 import export
-
     fixes = [fix for fix, _ in register()]
-    outcomes = export.export_series(fixes, export.fetch_pinned_upstream(), directory)
+    outcomes = export.export_series(fixes, upstream.fetch_pinned_upstream(), directory)
     return Series(directory, {o.fix.id: list(o.patches) for o in outcomes})
 
 
@@ -321,11 +321,11 @@ def check(
     only: list[str] | None = None,
     tests: bool = True,
     series: Series | None = None,
+    logs: Path | None = None,
 ) -> tuple[str, list[Verdict]]:
-    """The tree's version and one verdict per fix (register order, or the ids in `only`)."""
-    from sglang_dsv4 import export
-
-    version = export.tree_version(python_dir)
+    """The tree's version and one verdict per fix (register order, or the ids in `only`).
+    With `logs`, each delivery's pytest output is kept there (`<delivery>.log`)."""
+    version = upstream.tree_version(python_dir)
     fixes = register()
     known = {fix.id for fix, _ in fixes}
     unknown = sorted(set(only or ()) - known)
@@ -345,7 +345,7 @@ def check(
             repo / "python" / "sglang",
             ignore=shutil.ignore_patterns("__pycache__"),
         )
-        export._init_repo(repo)
+        upstream.init_repo(repo)
         apply_patches(facts, patch_dir, repo)
         reasons = run_probe(python_dir, [f.module for f in facts])
         for fact in facts:
@@ -363,6 +363,9 @@ def check(
             }
             for delivery, (tree, plugin) in deliveries.items():
                 result = run_tests(tree, files, plugin, unfit, work / delivery)
+                if logs is not None:
+                    logs.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(work / f"{delivery}.log", logs / f"{delivery}.log")
                 for fact in chosen:
                     fact.results[delivery] = {t: result[t] for t in fact.tests if t in result}
         by_id = {fix.id: fix for fix, _ in fixes}
@@ -390,18 +393,22 @@ def add_arguments(parser) -> None:
         help="judge from targets and patches only; do not run the behaviour tests",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        metavar="DIR",
+        help="keep each delivery's pytest output in DIR (pristine.log, patched.log, plugin.log)",
+    )
 
 
 def run(args) -> int:
-    from sglang_dsv4 import export
-
     try:
         if args.version:
-            python_dir = export.fetch_upstream(args.version)
+            python_dir = upstream.fetch_upstream(args.version)
         else:
-            python_dir = export.python_dir_of(args.upstream_src)
-        version, verdicts = check(python_dir, args.fix, tests=not args.no_tests)
-    except (export.ExportError, RebaseCheckError) as exc:
+            python_dir = upstream.python_dir_of(args.upstream_src)
+        version, verdicts = check(python_dir, args.fix, tests=not args.no_tests, logs=args.logs)
+    except (upstream.ExportError, RebaseCheckError) as exc:
         print(f"sglang-dsv4 rebase-check: error: {exc}", file=sys.stderr)
         return 2
     ok = all(v.verdict in (NEEDED, ALREADY) for v in verdicts)
@@ -429,7 +436,8 @@ def run(args) -> int:
 
 def _probe_main(modules: list[str]) -> int:
     try:
-        print(json.dumps(probe(modules)))
+        found = probe(modules)
+        print(json.dumps({m: r.as_json() if r else None for m, r in found.items()}))
     except RebaseCheckError as exc:
         print(exc, file=sys.stderr)
         return 1
