@@ -9,8 +9,12 @@ growing to 80k tokens with tool calls) through the router, then the throughput m
 (benchmark.throughput, on upstream's bench_serving), and reads every server's /metrics before the
 first round and after each. The gate passes only when, over all rounds:
 
-- corruption: the soak's detector found 0 corrupt responses (and at least --min-responses were
-  checked); the 95 % Wilson upper bound on the corruption rate is printed;
+- corruption: the soak's detector found 0 corrupt responses, and enough were checked to rule out
+  --rule-out RATE (default 1/2000) at 95 %: a server corrupting that share of its responses shows
+  at least one corrupt response in n checked with probability 1 - (1 - RATE)^n, so the gate needs
+  n = ceil(ln 0.05 / ln(1 - RATE)) (5,990 for 1/2000) and refuses to pass on fewer (and on fewer
+  than --min-responses); every verdict prints the rate its responses rule out,
+  1 - 0.05^(1/n), and the 95 % Wilson upper bound;
 - sanitizer: sglang:dsv4_sanitizer_violations_total did not grow on any server ("not enabled"
   when no server exposes it);
 - failed requests: no soak or throughput request failed;
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -39,14 +44,15 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
+from sglang_dsv4 import metrics
 
 from benchmark import throughput
 from benchmark.arg_types import positive_float, positive_int
 from benchmark.dsml_soak import wilson
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SANITIZER_METRIC = "sglang:dsv4_sanitizer_violations_total"
-NIXL_METRIC = "sglang:nixl_control_thread_events_total"
+SANITIZER_METRIC = metrics.SANITIZER_VIOLATIONS
+NIXL_METRIC = metrics.NIXL_CONTROL_THREAD_EVENTS
 CRITERIA = ("corruption", "sanitizer", "failed requests", "NIXL control threads", "throughput")
 
 
@@ -57,11 +63,6 @@ class Failure(Exception):
 # --- the servers' metrics ----------------------------------------------------------------------
 
 
-def _family_names(metric: str) -> tuple[str, str]:
-    # The text parser names a counter's family without its _total suffix.
-    return metric, metric.removesuffix("_total")
-
-
 def parse_metrics(text: str) -> dict:
     """The gate's counters in one /metrics page: {"sanitizer": {kind: n} or None when the counter
     is absent (sanitizer off), "nixl": {"thread/event": n}}. Samples of one label set from several
@@ -69,7 +70,7 @@ def parse_metrics(text: str) -> dict:
     sanitizer = None
     nixl: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in _family_names(SANITIZER_METRIC):
+        if family.name in metrics.family_names(SANITIZER_METRIC):
             sanitizer = sanitizer or {}
         for sample in family.samples:
             if sample.name == SANITIZER_METRIC:
@@ -242,7 +243,50 @@ def _round_errors(rounds: list[dict], key: str) -> list[str]:
     return [f"round {r['round']}: {r[key]}" for r in rounds if r.get(key)]
 
 
-def judge_corruption(rounds: list[dict], min_responses: int) -> dict:
+CONFIDENCE = 0.95
+
+
+def responses_to_rule_out(rate: float, confidence: float = CONFIDENCE) -> int:
+    """Responses to check so that a server corrupting `rate` of them shows at least one corrupt
+    response with probability `confidence`: the least n with (1 - rate)^n <= 1 - confidence."""
+    return math.ceil(math.log(1 - confidence) / math.log1p(-rate))
+
+
+def rate_ruled_out(responses: int, confidence: float = CONFIDENCE) -> float | None:
+    """The corruption rate that `responses` clean responses rule out at `confidence` (a server at
+    that rate would have shown a corrupt one with that probability); None for no responses."""
+    if responses <= 0:
+        return None
+    return 1 - (1 - confidence) ** (1 / responses)
+
+
+def one_in(rate: float | None) -> str:
+    return "nothing" if rate is None else f"1 in {1 / rate:,.0f}"
+
+
+def parse_rate(text: str) -> float:
+    """A rate as 1/2000 or 0.0005, strictly between 0 and 1."""
+    try:
+        if "/" in text:
+            num, den = text.split("/", 1)
+            rate = float(num) / float(den)
+        else:
+            rate = float(text)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (1/2000 or 0.0005)") from None
+    if not 0 < rate < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate is between 0 and 1")
+    return rate
+
+
+def ruled_out_line(corrupt: int, responses: int) -> str:
+    """What a verdict rules out: the rate, or nothing when corruption was seen."""
+    if corrupt:
+        return "rules out no rate (corruption seen)"
+    return f"rules out a corruption rate of {one_in(rate_ruled_out(responses))} at 95 %"
+
+
+def judge_corruption(rounds: list[dict], min_responses: int, rule_out: float = 1 / 2000) -> dict:
     soaks = [r["soak"] for r in rounds if r.get("soak")]
     responses = sum(s["responses"] for s in soaks)
     corrupt = sum(s["corrupt"] for s in soaks)
@@ -257,7 +301,16 @@ def judge_corruption(rounds: list[dict], min_responses: int) -> dict:
             kinds[kind] = kinds.get(kind, 0) + share["count"]
     if corrupt:
         evidence += " (" + ", ".join(f"{k} {n}" for k, n in kinds.items() if n) + ")"
+    evidence += f"; {ruled_out_line(corrupt, responses)}"
     problems = _round_errors(rounds, "soak_error")
+    needed = responses_to_rule_out(rule_out)
+    if responses < needed:
+        per_round = responses / max(1, len(rounds))
+        more = f", about {math.ceil(needed / per_round)} round(s) of these" if per_round else ""
+        problems.append(
+            f"ruling out {one_in(rule_out)} at 95 % needs at least {needed:,} checked "
+            f"responses{more}"
+        )
     if responses < min_responses:
         problems.append(f"the bar asks for at least {min_responses:,} checked responses")
     evidence = "; ".join([evidence, *problems])
@@ -395,7 +448,7 @@ def judge_throughput(rounds: list[dict], baseline: dict, max_drop: float) -> tup
 def judge(rounds: list[dict], baseline: dict, args: argparse.Namespace) -> tuple[list[dict], list]:
     tp_line, changes = judge_throughput(rounds, baseline, args.max_drop_percent)
     lines = [
-        judge_corruption(rounds, args.min_responses),
+        judge_corruption(rounds, args.min_responses, args.rule_out),
         judge_sanitizer(rounds, args.require_sanitizer),
         judge_failed_requests(rounds),
         judge_nixl(rounds),
@@ -419,10 +472,18 @@ def print_verdict(report: dict, console: Console) -> None:
     console.print(table)
     failed = [line["criterion"] for line in report["criteria"] if line["status"] == "FAIL"]
     rounds = len(report["rounds"])
+    c = report["corruption"]
+    ruled = f"{c['responses']:,} checked responses {ruled_out_line(c['corrupt'], c['responses'])}"
     if failed:
         console.print(f"release gate: FAIL ({', '.join(failed)}) over {rounds} round(s)")
     else:
         console.print(f"release gate: PASS over {rounds} round(s)")
+    console.print(
+        f"release gate: {ruled} (the bar: {one_in(c['rule_out'])}, "
+        f"{c['responses_needed']:,} responses)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def draw_plot(report: dict, path: Path) -> None:
@@ -445,8 +506,7 @@ def draw_plot(report: dict, path: Path) -> None:
     for n, bound, bad in bounds:
         if bad:
             evidence.annotate(f"{bad} corrupt", (n, bound), color="#d62728")
-    if report["config"]["min_responses"]:
-        evidence.axvline(report["config"]["min_responses"], color="#999999", linestyle="--")
+    evidence.axvline(report["corruption"]["responses_needed"], color="#999999", linestyle="--")
     evidence.set_yscale("log")
     evidence.set_xlabel("checked responses (cumulative)")
     evidence.set_ylabel("95 % upper bound on corruption rate")
@@ -533,6 +593,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bar = parser.add_argument_group("the bar")
     bar.add_argument("--rounds", type=positive_int, default=1)
+    bar.add_argument(
+        "--rule-out",
+        type=parse_rate,
+        default=1 / 2000,
+        metavar="RATE",
+        help="the corruption rate the gate must rule out at 95 %% (1/2000 or 0.0005): it needs "
+        "ceil(ln 0.05 / ln(1 - RATE)) checked responses, 5,990 for 1/2000, and fails on fewer",
+    )
     bar.add_argument(
         "--min-responses",
         type=int,
@@ -698,6 +766,9 @@ def main(argv: list[str] | None = None) -> int:
             "responses": checked,
             "corrupt": corrupt,
             "upper_bound_95": wilson(corrupt, checked)[1],
+            "rule_out": args.rule_out,
+            "responses_needed": max(args.min_responses, responses_to_rule_out(args.rule_out)),
+            "rate_ruled_out_95": None if corrupt else rate_ruled_out(checked),
         },
         "throughput": {"runs": median_rows(rounds), "comparison": changes},
         "baseline": baseline,

@@ -68,7 +68,7 @@ def build(max_tokens: int):
 
     load_plugins()
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang_dsv4.plan import build_chain, build_pool, size_for_tokens
+    from sglang_dsv4.plan.chain import build_chain, build_pool, size_for_tokens
 
     chain = build_chain("bf16")
     full_tokens = -(-(max_tokens + 256) // 2560) * 2560  # page-aligned for the SWA share too

@@ -10,6 +10,7 @@ bench_serving.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -95,7 +96,7 @@ def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("gate")
     (out / "baseline.json").write_text(json.dumps(BASELINE))
     common = [*SOAK.split(), *MATRIX.split(), "--tokenizer", str(tokenizer)]
-    common += ["--baseline", str(out / "baseline.json")]
+    common += ["--baseline", str(out / "baseline.json"), "--rule-out", "1/10"]
     with (
         running("--sanitizer") as clean_decode,
         running() as clean_prefill,
@@ -153,6 +154,11 @@ def test_clean_deployment_passes(measured):
     assert report["corruption"]["upper_bound_95"] == pytest.approx(Z95**2 / (n + Z95**2))
     assert lines["corruption"][1].startswith(f"0 corrupt of {n} checked responses (1 round(s)")
     assert f"upper bound on the rate {Z95**2 / (n + Z95**2):.2g}" in lines["corruption"][1]
+    ruled = f"rules out a corruption rate of 1 in {1 / (1 - 0.05 ** (1 / n)):,.0f} at 95 %"
+    assert ruled in lines["corruption"][1]
+    assert f"release gate: {n:,} checked responses {ruled} (the bar: 1 in 10, 29 responses)" in (
+        run.stdout
+    )
     assert lines["sanitizer"][1] == (
         f"0 violations on the 1 of 2 servers with it on; off on {report['config']['prefill'][0]}"
     )
@@ -174,7 +180,7 @@ def test_faulty_deployment_fails_each_criterion_with_its_evidence(measured):
     assert {name: status for name, (status, _) in lines.items()} == dict.fromkeys(
         release_gate.CRITERIA, "FAIL"
     )
-    assert run.stdout.strip().splitlines()[-2] == (
+    assert run.stdout.strip().splitlines()[-3] == (
         "release gate: FAIL (corruption, sanitizer, failed requests, NIXL control threads, "
         "throughput) over 1 round(s)"
     )
@@ -221,14 +227,27 @@ def test_rounds_combine_into_the_fields_bar(measured, tmp_path, capsys):
     clean = out / "clean" / "release_gate.json"
     n = json.loads(clean.read_text())["corruption"]["responses"]
     options = ["--combine", str(clean), str(clean), "--baseline", str(clean)]
+    # At the default bar (1 in 2,000 at 95 %: 5,990 responses) these rounds are too few.
+    done = gate(capsys, *options, "--out-dir", str(tmp_path))
+    assert done.returncode == 3
+    status, evidence = verdicts(done.stdout)["corruption"]
+    bar = (
+        f"ruling out 1 in 2,000 at 95 % needs at least 5,990 checked responses, about "
+        f"{-(-5990 // n)} round(s) of these"
+    )
+    assert status == "FAIL" and evidence.replace(" ", "").endswith(bar.replace(" ", ""))
+    options += ["--rule-out", "0.1"]
     done = gate(capsys, *options, "--min-responses", str(2 * n), "--out-dir", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = verdicts(done.stdout)
-    assert lines["corruption"] == (
-        "PASS",
+    status, evidence = lines["corruption"]
+    expected = (
         f"0 corrupt of {2 * n} checked responses (2 round(s) x ~{n}); "
-        f"95 % upper bound on the rate {wilson(0, 2 * n)[1]:.2g}",
+        f"95 % upper bound on the rate {wilson(0, 2 * n)[1]:.2g}; rules out a corruption rate "
+        f"of 1 in {1 / (1 - 0.05 ** (1 / (2 * n))):,.0f} at 95 %"
     )
+    # (the table folds long evidence; a fold may drop the space it falls on)
+    assert status == "PASS" and evidence.replace(" ", "") == expected.replace(" ", "")
     # An earlier gate's JSON serves as the baseline: the same matrix, no change.
     assert "c4" in lines["throughput"][1] and "(+0.0 %)" in lines["throughput"][1]
     report = json.loads((tmp_path / "release_gate.json").read_text())
@@ -237,7 +256,8 @@ def test_rounds_combine_into_the_fields_bar(measured, tmp_path, capsys):
     done = gate(capsys, *options, "--min-responses", str(2 * n + 1), "--out-dir", str(tmp_path))
     assert done.returncode == 3
     status, evidence = verdicts(done.stdout)["corruption"]
-    assert status == "FAIL" and evidence.endswith(f"at least {2 * n + 1:,} checked responses")
+    short = f"at least {2 * n + 1:,} checked responses"
+    assert status == "FAIL" and evidence.replace(" ", "").endswith(short.replace(" ", ""))
     # A faulty launch among clean ones fails the whole.
     faulty = out / "faulty" / "release_gate.json"
     done = gate(
@@ -260,13 +280,17 @@ def test_field_bar_upper_bound():
 
 
 def test_metrics_contract_matches_the_mock_and_the_servers():
-    from sglang_dsv4 import sanitizer
+    from sglang_dsv4 import metrics, sanitizer
     from sglang_dsv4.fixes import nixl_bootstrap_cascade
 
     assert release_gate.SANITIZER_METRIC == mock_server.SANITIZER_METRIC == sanitizer.METRIC_NAME
-    assert mock_server.SANITIZER_KINDS == sanitizer.KINDS
-    assert release_gate.NIXL_METRIC == mock_server.NIXL_METRIC
-    assert f'"{release_gate.NIXL_METRIC}"' in Path(nixl_bootstrap_cascade.__file__).read_text()
+    assert mock_server.SANITIZER_KINDS == sanitizer.KINDS == metrics.SANITIZER_KINDS
+    assert release_gate.NIXL_METRIC == mock_server.NIXL_METRIC == metrics.NIXL_CONTROL_THREAD_EVENTS
+    # The fix carries the name into upstream's code, spelled out there.
+    carried = "".join(
+        p.read_text() for p in Path(nixl_bootstrap_cascade.__file__).parent.glob("*.py")
+    )
+    assert f'"{metrics.NIXL_CONTROL_THREAD_EVENTS}"' in carried
 
 
 def test_counter_increases_and_restarts():
@@ -330,3 +354,33 @@ def test_bad_input_stops_with_one_line(tmp_path, capsys):
         .startswith(f"release gate: GET {dead}/metrics: no answer")
     )
     assert not list(tmp_path.glob("round-*"))  # stopped before measuring anything
+
+
+def test_the_default_bar_rules_out_one_in_two_thousand_at_95_percent():
+    """5,990 clean responses: a server corrupting 1 response in 2,000 passes with probability at
+    most 0.05; 5,989 would let it pass more often. The soak's defaults (64 x 40 = 2,560) let it
+    pass with probability 0.278."""
+    rate = 1 / 2000
+    assert release_gate.responses_to_rule_out(rate) == 5990
+    assert (1 - rate) ** 5990 <= 0.05 < (1 - rate) ** 5989
+    assert round((1 - rate) ** 2560, 3) == 0.278
+    assert release_gate.rate_ruled_out(5990) <= rate < release_gate.rate_ruled_out(5989)
+    assert release_gate.parse_rate("1/2000") == release_gate.parse_rate("0.0005") == rate
+    for bad in ("0", "1", "2/1", "x", "1/0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            release_gate.parse_rate(bad)
+
+
+def test_a_verdict_prints_the_rate_it_rules_out(tmp_path):
+    rounds = [{"round": 1, "soak": {"responses": 5990, "corrupt": 0, "by_kind": {}}}]
+    line = release_gate.judge_corruption(rounds, 0, 1 / 2000)
+    assert line["status"] == "PASS"
+    assert "rules out a corruption rate of 1 in 2,000 at 95 %" in line["evidence"]
+    rounds[0]["soak"]["responses"] = 5989
+    line = release_gate.judge_corruption(rounds, 0, 1 / 2000)
+    assert line["status"] == "FAIL" and line["evidence"].endswith(
+        "needs at least 5,990 checked responses, about 2 round(s) of these"
+    )
+    rounds[0]["soak"].update(corrupt=1, by_kind={"dsml": {"count": 1}})
+    line = release_gate.judge_corruption(rounds, 0, 1 / 2000)
+    assert "rules out no rate (corruption seen)" in line["evidence"]
