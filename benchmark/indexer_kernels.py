@@ -45,7 +45,7 @@ from sgl_kernel_dsv4 import (
     bf16_paged_mqa_logits_triton,
     hadamard_rotate,
 )
-from sgl_kernel_dsv4.index_reference import pack_fp8_index_pages, quantize_index_fp8
+from sgl_kernel_dsv4.fp8_reference import pack_fp8_index_pages, quantize_index_fp8
 
 TOPK = 512
 

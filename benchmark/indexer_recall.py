@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 import torch
-from sgl_kernel_dsv4.index_reference import (
+from sgl_kernel_dsv4.fp8_reference import (
     BF16_INDEX_BYTES_PER_KEY,
     FP8_INDEX_BYTES_PER_KEY,
-    hadamard_rotate,
     index_logits_dense,
 )
+from sgl_kernel_dsv4.index_rotation import hadamard_rotate
 
 HEAD_DIM = 128
 DTYPES = {"fp8": FP8_INDEX_BYTES_PER_KEY, "bf16": BF16_INDEX_BYTES_PER_KEY}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU proof kit on a bare CUDA host (torch + triton only, no install, no network):
-# runs benchmark/gpu_check.py from this tree. Usage: gpu_check.sh [--out DIR] [--plan] [--record] ...
+# runs the benchmark/gpu_check package from this tree. Usage: gpu_check.sh [--out DIR] [--plan] [--record] ...
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."

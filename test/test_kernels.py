@@ -27,7 +27,7 @@ from sgl_kernel_dsv4 import (
     hadamard_rotate,
 )
 from sgl_kernel_dsv4 import index_logits as index_logits_module
-from sgl_kernel_dsv4.index_reference import (
+from sgl_kernel_dsv4.fp8_reference import (
     index_logits_dense,
     pack_fp8_index_pages,
     quantize_index_fp8,
@@ -332,6 +332,33 @@ def test_kernel_benchmark_table_width_under_the_interpreter(tmp_path):
     assert row["same"] and set(row["ratio"]) == {"1", "4"} and row["ratio"]["1"] == 1.0
 
 
+def test_no_kernel_module_imports_another_implementation():
+    """The package's import graph (module level and inside functions) has no cycle, and the
+    contract imports nothing of the package: each implementation sees only the contract."""
+    import ast
+
+    package = REPO / "sgl-kernel" / "python" / "sgl_kernel_dsv4"
+    graph = {}
+    for path in package.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sgl_kernel_dsv4."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names
+                             if a.name.startswith("sgl_kernel_dsv4.")}
+        graph[path.stem] = imported - {path.stem}
+    assert graph["index_contract"] == set()
+    assert graph["index_logits_triton"] == {"index_contract"}
+    assert graph["index_rotation_triton"] == {"index_contract"}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n)))
+                   for n in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
+
+
 # --- launch rule and config (no kernel runs) -------------------------------------------------
 
 
@@ -366,33 +393,37 @@ def test_launch_config_follows_the_devices_sm_count(triton_launch, monkeypatch, 
     """No tuned entry: the heuristic sizes the launch from the device's own SM count."""
     FakeDevice("NVIDIA RTX PRO 6000 Blackwell", sms).install(monkeypatch)
     config = triton_launch.launch_config_for("cuda:0")
-    assert config["sm_count"] == sms
-    # one long row spreads over the whole device; many rows share it
-    assert triton_launch.workers_per_row(1, 1 << 20, 1 << 14, config) == 4 * sms
-    assert triton_launch.workers_per_row(64, 1 << 20, 1 << 14, config) == -(-4 * sms // 64)
+    assert config["sm_count"] == sms and config["programs_per_sm"] == 2  # what fits on sm_120
+    # one long row spreads over the whole device; many rows share it, in one wave
+    assert triton_launch.workers_per_row(1, 1 << 20, 1 << 14, config) == 2 * sms
+    assert triton_launch.workers_per_row(64, 1 << 20, 1 << 14, config) == 2 * sms // 64
+    assert 64 * triton_launch.workers_per_row(64, 1 << 20, 1 << 14, config) <= 2 * sms
+    # more rows than resident slots: one program each
+    assert triton_launch.workers_per_row(4 * sms, 1 << 20, 1 << 14, config) == 1
 
 
 def test_launch_config_takes_the_tuned_entry_for_its_device(triton_launch, monkeypatch):
-    entry = {"capability": "12.0", "config": {"pages_per_step": 4, "num_warps": 8},
-             "measured": {"ms": 0.1}}
+    # a config of the sweep, which the committed ahead-of-time check passed for sm_120
+    tuned = {"pages_per_step": 2, "programs_per_sm": 1, "num_warps": 8, "num_stages": 3}
+    entry = {"capability": "12.0", "config": tuned, "measured": {"ms": 0.1}}
     triton_launch.TUNED_LAUNCH_FILE.write_text(json.dumps({"NVIDIA RTX PRO 6000 Blackwell": entry}))
     FakeDevice("NVIDIA RTX PRO 6000 Blackwell", 188).install(monkeypatch)
     config = triton_launch.launch_config_for("cuda")
-    assert config["pages_per_step"] == 4 and config["num_warps"] == 8 and config["sm_count"] == 188
+    assert config == {**tuned, "sm_count": 188}
     # another device name, or the same name with another capability: the heuristic
     triton_launch._config_for.cache_clear()
     FakeDevice("NVIDIA RTX PRO 6000 Blackwell", 188, capability=(10, 0)).install(monkeypatch)
-    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(188)
+    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(188, (10, 0))
     triton_launch._config_for.cache_clear()
     FakeDevice("NVIDIA H200", 132, capability=(9, 0)).install(monkeypatch)
-    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(132)
+    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(132, (9, 0))
 
 
 @pytest.mark.parametrize("text", ["", "{}"])
 def test_launch_config_without_measurements(triton_launch, monkeypatch, text):
     triton_launch.TUNED_LAUNCH_FILE.write_text(text)
     FakeDevice("NVIDIA H200", 132, capability=(9, 0)).install(monkeypatch)
-    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(132)
+    assert triton_launch.launch_config_for("cuda") == triton_launch.heuristic_config(132, (9, 0))
 
 
 def test_launch_config_refuses_a_bad_entry(triton_launch, monkeypatch):
@@ -415,7 +446,7 @@ def test_launch_shape_follows_argument_shapes_only(triton_launch):
     config = triton_launch.heuristic_config(188)
     exact = triton_launch.workers_per_row(32, 20_480, 320, config)
     wide = triton_launch.workers_per_row(32, 16 * 20_480, 16 * 320, config)
-    assert exact == wide == -(-4 * 188 // 32)
+    assert exact == wide == 2 * 188 // 32
 
 
 # --- Triton kernel under the interpreter (child process) ---------------------------------
@@ -444,27 +475,35 @@ if INTERPRETED:
     @pytest.mark.parametrize("sm_count", [None, 188])
     def test_interpreted_work_follows_the_keys_not_the_table_width(monkeypatch, sm_count):
         """A page table 16x wider than the sequences, with the device's own launch (None) or as
-        on a 188-SM GPU: no more dots or stores than with the exact width, and none past a
-        row's last page (the interpreter's own dot and store are counted)."""
+        on a 188-SM GPU: the same loads and dots as with the exact width, none past a row's last
+        page, and every position stored exactly once, the tail past it as -inf (the
+        interpreter's own dot, load and store are counted)."""
         from triton.runtime.interpreter import InterpreterBuilder
 
-        counts = {"dots": 0, "stored": 0}
+        counts = {"dots": 0, "loaded": 0, "stored": 0}
         dot, store = InterpreterBuilder.create_dot, InterpreterBuilder.create_masked_store
+        load = InterpreterBuilder.create_masked_load
 
         def counting_dot(self, *args):
             counts["dots"] += 1
             return dot(self, *args)
+
+        def counting_load(self, ptrs, mask, *args):
+            if ptrs.data.size > 1:  # block loads; each program's one seq_len load aside
+                counts["loaded"] += int(mask.data.sum()) if mask is not None else ptrs.data.size
+            return load(self, ptrs, mask, *args)
 
         def counting_store(self, ptrs, value, mask, *args):
             counts["stored"] += int(mask.data.sum())
             return store(self, ptrs, value, mask, *args)
 
         monkeypatch.setattr(InterpreterBuilder, "create_dot", counting_dot)
+        monkeypatch.setattr(InterpreterBuilder, "create_masked_load", counting_load)
         monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counting_store)
         seq_lens = [768, 64, 1, 0, 130]
         seen = {}
         for width in (12, 16 * 12):
-            counts.update(dots=0, stored=0)
+            counts.update(dots=0, loaded=0, stored=0)
             case = make_case(seq_lens, table_cols=width, max_seq_len=width * PAGE)
             if sm_count is None:
                 out = bf16_paged_mqa_logits_triton(**case)
@@ -473,13 +512,48 @@ if INTERPRETED:
 
                 out = launch(**case, config={"pages_per_step": 2, "sm_count": sm_count})
             assert_matches(out, reference_logits(case), case["seq_lens"])
+            past = torch.arange(out.shape[1]).unsqueeze(0) >= case["seq_lens"].view(-1, 1)
+            assert torch.isneginf(out[past]).all()
+            assert counts["stored"] == len(seq_lens) * width * PAGE  # each position once
             seen[width] = dict(counts)
-        pages = sum(-(-n // PAGE) for n in seq_lens)
-        assert seen[12] == seen[192]
-        # at most one dot per page a row has (two pages per dot by default), stores likewise
-        assert seen[12]["dots"] <= pages and seen[12]["stored"] <= pages * PAGE
-        steps = sum(-(-n // 128) for n in seq_lens)
-        assert seen[12] == {"dots": steps, "stored": pages * PAGE}
+        dot_keys = 64 if sm_count is None else 128  # the default's one page per dot, or two
+        steps = sum(-(-n // dot_keys) for n in seq_lens)
+        assert seen[12]["dots"] == seen[192]["dots"] == steps
+        assert seen[12]["loaded"] == seen[192]["loaded"]
+
+    def test_interpreted_upstream_torch_top_k_selects_nothing_past_seq_len(monkeypatch):
+        """Upstream's torch top-k masks positions >= seq_len to select, then gathers the unmasked
+        scores. Rows with fewer than 512 finite scores (holes in their page tables inside
+        seq_len) and an output buffer holding an earlier call's scores (torch.empty stands in
+        for the caching allocator handing a used block back; the CPU's may hand back zeros):
+        no selection may land past seq_len."""
+        from sglang.srt.layers.attention.dsv4.indexer import topk_transform_pytorch_vectorized
+
+        seq_lens = [700, 900, 530]
+        case = make_case(seq_lens, heads=16, table_cols=40, seed=5)
+        table = case["page_table"]
+        table[0, 1:7] = -1  # 316 finite scores of 700
+        table[1, 2:10] = -1  # 388 of 900
+        table[2, 0:2] = -1  # 402 of 530
+        empty = torch.empty
+
+        def used_block(*shape, **kwargs):
+            return empty(*shape, **kwargs).fill_(3.0)  # an earlier step's finite scores
+
+        monkeypatch.setattr(torch, "empty", used_block)
+        logits = bf16_paged_mqa_logits_triton(**case)
+        monkeypatch.setattr(torch, "empty", empty)
+        assert_matches(logits, reference_logits(case), case["seq_lens"])
+        batch = len(seq_lens)
+        pages = torch.full((batch, 512), -7, dtype=torch.int32)
+        raw = torch.full((batch, 512), -7, dtype=torch.int32)
+        topk_transform_pytorch_vectorized(logits, case["seq_lens"], table, pages, PAGE, raw)
+        for row, n in enumerate(seq_lens):
+            chosen = raw[row][raw[row] >= 0]
+            finite = int(torch.isfinite(reference_logits(case)[row, :n]).sum())
+            assert (chosen < n).all(), f"row {row}: {int((chosen >= n).sum())} selections past {n}"
+            assert len(chosen) == finite  # every finite score, nothing else
+            assert ((pages[row] >= 0) == (raw[row] >= 0)).all()
 
     def test_interpreted_top_k_agrees():
         # Plain torch.topk here: the child runs without sglang (see its command line); the parent
@@ -566,8 +640,8 @@ else:
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail
         # every interpreted case ran: one per CASES entry, 10 launch configs, two work counts,
-        # the top-k check, two fused-query and two fused-store cases
-        assert f"{len(CASES) + 17} passed" in proc.stdout and "failed" not in proc.stdout, tail
+        # the top-k check, upstream's torch top-k, two fused-query and two fused-store cases
+        assert f"{len(CASES) + 18} passed" in proc.stdout and "failed" not in proc.stdout, tail
 
 
 # --- on a GPU ----------------------------------------------------------------------------

@@ -6,10 +6,8 @@ dispatcher that picks Triton on CUDA; importing the package does not import Trit
 modules load on first use).
 """
 
+from sgl_kernel_dsv4.index_contract import HEAD_DIM, PAGE_TOKENS, IndexLogitsInputError
 from sgl_kernel_dsv4.index_logits import (
-    HEAD_DIM,
-    PAGE_TOKENS,
-    IndexLogitsInputError,
     bf16_paged_mqa_logits,
     bf16_paged_mqa_logits_torch,
     bf16_paged_mqa_logits_triton,

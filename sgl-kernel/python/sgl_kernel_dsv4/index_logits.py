@@ -7,14 +7,12 @@ For each query row b and cached key position t < min(seq_lens[b], max_seq_len):
 where k[t] is slot t % 64 of page page_table[b, t // 64] of `kv_cache`; a position whose page-table
 entry is negative (unused, -1) or lies past the page table's width is -inf.
 
-Positions t >= seq_lens[b] are unspecified: the Triton kernel does not visit pages past a row's
-last one (it writes -inf only up to the end of that page), so its work follows the keys a row
-has, not the page table's width. The torch path writes -inf there (it is the reference and may
-do more than the contract asks). Upstream's top-k steps read a row's first seq_lens[b] scores
-only: the torch and flashinfer-unfused paths mask the rest to -inf before selecting, the CUDA
-top-k v1 kernel selects over [0, seq_len), v2 loads whole 4-float vectors and overwrites the
-tail past seq_len with its padding value; upstream itself calls DeepGEMM's paged logits with
-clean_logits=False, which leaves those positions unwritten too.
+Positions t in [seq_lens[b], max_seq_len) are -inf, as upstream's own paths write them (its fp8
+torch sm_120 path fills -inf): upstream's torch / flashinfer-unfused top-k masks positions past
+seq_len for its selection but then gathers the unmasked scores, so a row with fewer finite scores
+than the top-k width (page-table holes inside seq_len) would pass stale values past seq_len as
+selected keys. The Triton kernel's work still follows the keys a row has: it visits no page past a
+row's last one and fills the rest of the row with plain 4-byte stores, no loads.
 
 Shapes and dtypes (the c4 indexer of DeepSeek-V4: 64 heads, head_dim 128, pages of 64 keys):
 
@@ -36,50 +34,12 @@ import os
 
 import torch
 
-PAGE_TOKENS = 64
-HEAD_DIM = 128
-
-
-class IndexLogitsInputError(ValueError):
-    """The arguments do not have the shapes, dtypes or devices the kernel contract states."""
-
-
-def _fail(message: str):
-    raise IndexLogitsInputError(f"bf16_paged_mqa_logits: {message}")
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
-
-
-def check_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len) -> torch.Tensor:
-    """Validate the arguments (shapes and dtypes only: no device sync); returns seq_lens as [B]."""
-    if q.dtype != torch.bfloat16 or q.dim() != 4 or q.shape[1] != 1 or q.shape[3] != HEAD_DIM:
-        _fail(f"q must be bfloat16 [B, 1, H, {HEAD_DIM}], got {_describe(q)}")
-    if q.stride(3) != 1:
-        _fail(f"q must be dense along head_dim, strides {q.stride()}")
-    batch, _, heads, _ = q.shape
-    if kv_cache.dtype != torch.bfloat16 or tuple(kv_cache.shape[1:]) != (PAGE_TOKENS, 1, HEAD_DIM):
-        _fail(
-            f"kv_cache must be bfloat16 [num_pages, {PAGE_TOKENS}, 1, {HEAD_DIM}], "
-            f"got {_describe(kv_cache)}"
-        )
-    if kv_cache.stride(3) != 1 or kv_cache.stride(1) != HEAD_DIM:
-        _fail(f"kv_cache keys must be dense rows of {HEAD_DIM} inside a page, strides {kv_cache.stride()}")
-    if weights.dtype != torch.float32 or tuple(weights.shape) != (batch, heads):
-        _fail(f"weights must be float32 [{batch}, {heads}], got {_describe(weights)}")
-    if seq_lens.dim() == 2 and seq_lens.shape[1] == 1:
-        seq_lens = seq_lens[:, 0]
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,):
-        _fail(f"seq_lens must be int32 [{batch}], got {_describe(seq_lens)}")
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != batch:
-        _fail(f"page_table must be int32 [{batch}, max_pages], got {_describe(page_table)}")
-    if not isinstance(max_seq_len, int) or max_seq_len < 0:
-        _fail(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
-    devices = {t.device for t in (q, kv_cache, weights, seq_lens, page_table)}
-    if len(devices) != 1:
-        _fail(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return seq_lens
+from sgl_kernel_dsv4.index_contract import (  # noqa: F401  (the contract, re-exported here)
+    HEAD_DIM,
+    PAGE_TOKENS,
+    IndexLogitsInputError,
+    check_logits_inputs,
+)
 
 
 def _page_step_bytes(heads: int) -> int:
@@ -100,7 +60,7 @@ def _pages_per_step(batch: int, heads: int, pages: int) -> int:
 def bf16_paged_mqa_logits_torch(q, kv_cache, weights, seq_lens, page_table, max_seq_len):
     """Torch path (any device). CUDA-graph safe: no host sync, every shape follows from the
     arguments' shapes, never from their values. Accumulates in fp32."""
-    seq_lens = check_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
+    seq_lens = check_logits_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
     batch, _, heads, _ = q.shape
     logits = torch.full((batch, max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
     pages = min(page_table.shape[1], -(-max_seq_len // PAGE_TOKENS))
@@ -133,7 +93,7 @@ def bf16_paged_mqa_logits_triton(q, kv_cache, weights, seq_lens, page_table, max
     """Triton kernel written for sm_120 (mma.sync through `tl.dot`, no wgmma/TMA, under 100 KB of
     shared memory per program). Same contract as the torch path; launch rule and config in
     `index_logits_triton`."""
-    seq_lens = check_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
+    seq_lens = check_logits_inputs(q, kv_cache, weights, seq_lens, page_table, max_seq_len)
     # Imported here so that importing this package never imports Triton, and so that
     # TRITON_INTERPRET set before the first call is honoured.
     from sgl_kernel_dsv4.index_logits_triton import launch

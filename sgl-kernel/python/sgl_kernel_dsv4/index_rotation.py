@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_dsv4.index_contract import check_store_inputs
+
 
 def apply_rope_tail(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing 2 * F values of x [T, ..., D] as F interleaved (real, imag) pairs by
@@ -93,27 +95,10 @@ def index_keys_bf16_torch(kv, norm_weight, eps: float, freqs_cis, positions):
 def store_index_keys_bf16_torch(pool_rows, kv, norm_weight, eps, freqs_cis, plan_rows, out_loc,
                                 compress_ratio, is_decode) -> None:
     """Reference of `store_index_keys_bf16` (see the module docstring)."""
-    _check_store(pool_rows, kv, plan_rows)
+    check_store_inputs(pool_rows, kv, plan_rows)
     positions, slots, valid = index_key_targets(plan_rows, out_loc, compress_ratio, is_decode)
     keys = index_keys_bf16_torch(kv, norm_weight, eps, freqs_cis, positions)
     pool_rows.index_copy_(0, slots[valid], keys[valid])
-
-
-def _check_store(pool_rows, kv, plan_rows) -> None:
-    if pool_rows.dtype != torch.bfloat16 or pool_rows.dim() != 2 or pool_rows.stride(1) != 1:
-        raise ValueError(
-            f"store_index_keys_bf16: pool_rows must be dense bfloat16 [slots, D], got "
-            f"{pool_rows.dtype} {list(pool_rows.shape)}"
-        )
-    if kv.dim() != 2 or kv.shape[1] != pool_rows.shape[1]:
-        raise ValueError(
-            f"store_index_keys_bf16: kv must be [N, {pool_rows.shape[1]}], got {list(kv.shape)}"
-        )
-    if plan_rows.dtype != torch.int32 or tuple(plan_rows.shape) != (kv.shape[0], 4):
-        raise ValueError(
-            f"store_index_keys_bf16: plan_rows must be int32 [{kv.shape[0]}, 4], got "
-            f"{plan_rows.dtype} {list(plan_rows.shape)}"
-        )
 
 
 def index_query_bf16(q, freqs_cis, positions):

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the bf16 indexer's query and key write (torch reference and
-contracts: `index_rotation`). One launch each, where the torch path runs about 30 (query) and 41
+contracts: `index_rotation`, `index_contract`). One launch each, where the torch path runs about 30 (query) and 41
 (key write) small kernels.
 
 - `index_query_bf16_triton(q, freqs_cis, positions)`: one program per token, all heads: RoPE on
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from sgl_kernel_dsv4.index_rotation import _check_store
+from sgl_kernel_dsv4.index_contract import check_store_inputs, freqs_table, rotation_dims
 
 KEY_ROWS_PER_PROGRAM = 16
 
@@ -174,59 +174,72 @@ def _interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def _freqs_table(freqs_cis: torch.Tensor) -> torch.Tensor:
-    """complex [P, F] -> its fp32 [P, F, 2] view (no copy)."""
-    if not freqs_cis.is_complex() or freqs_cis.dim() != 2:
-        raise ValueError(f"freqs_cis must be complex [positions, pairs], got {freqs_cis.dtype} "
-                         f"{list(freqs_cis.shape)}")
-    return torch.view_as_real(freqs_cis.contiguous())
-
-
-def _dims(dim: int, pairs: int) -> tuple[int, int]:
-    if dim & (dim - 1) or dim < 16 or 2 * pairs > dim:
-        raise ValueError(f"head dim {dim} must be a power of two >= 16 holding {pairs} rope pairs")
-    return dim.bit_length() - 1, 2 * pairs
-
-
 def index_query_bf16_triton(q: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor):
     """Fused `index_query_bf16`: q [T, H, D] -> bf16 [T, H, D] in one launch."""
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"index_query_bf16: q must be [T, H, D] dense along D, got {list(q.shape)}")
     tokens, heads, dim = q.shape
-    freqs = _freqs_table(freqs_cis)
-    log_dim, rope_dim = _dims(dim, freqs.shape[1])
+    freqs = freqs_table(freqs_cis)
+    rotation_dims(dim, freqs.shape[1])
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
     if tokens == 0:
         return out
-    _index_query_kernel[(tokens,)](
+    grid, args, kwargs = query_launch_args(q, freqs, positions, out)
+    _index_query_kernel[grid](*args, **kwargs)
+    return out
+
+
+def query_launch_args(q, freqs, positions, out):
+    """(grid, arguments, keyword arguments) of the fused query's launch (shared with the
+    ahead-of-time check, `compile_check`). `freqs`: the fp32 [P, F, 2] table."""
+    tokens, heads, dim = q.shape
+    log_dim, rope_dim = rotation_dims(dim, freqs.shape[1])
+    args = (
         q, freqs, positions, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), freqs.stride(0),
         heads,
+    )
+    kwargs = dict(
         DIM=dim, LOG_DIM=log_dim, ROPE_DIM=rope_dim,
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         ROUND_BY_HAND=_interpreted(_index_query_kernel),
         num_warps=4,
     )
-    return out
+    return (tokens,), args, kwargs
 
 
 def store_index_keys_bf16_triton(pool_rows, kv, norm_weight, eps, freqs_cis, plan_rows, out_loc,
                                  compress_ratio, is_decode) -> None:
     """Fused `store_index_keys_bf16` in one launch (see the module docstring)."""
-    _check_store(pool_rows, kv, plan_rows)
+    check_store_inputs(pool_rows, kv, plan_rows)
     if kv.stride(1) != 1 or plan_rows.stride(1) != 1:
         raise ValueError("store_index_keys_bf16: kv and plan_rows must be dense along their rows")
     rows, dim = kv.shape
-    freqs = _freqs_table(freqs_cis)
-    log_dim, rope_dim = _dims(dim, freqs.shape[1])
+    freqs = freqs_table(freqs_cis)
+    rotation_dims(dim, freqs.shape[1])
     if rows == 0:
         return
-    _store_index_keys_kernel[(triton.cdiv(rows, KEY_ROWS_PER_PROGRAM),)](
+    grid, args, kwargs = store_launch_args(
+        pool_rows, kv, norm_weight, eps, freqs, plan_rows, out_loc, compress_ratio, is_decode
+    )
+    _store_index_keys_kernel[grid](*args, **kwargs)
+
+
+def store_launch_args(pool_rows, kv, norm_weight, eps, freqs, plan_rows, out_loc,
+                      compress_ratio, is_decode):
+    """(grid, arguments, keyword arguments) of the fused key store's launch (shared with the
+    ahead-of-time check, `compile_check`). `freqs`: the fp32 [P, F, 2] table."""
+    rows, dim = kv.shape
+    log_dim, rope_dim = rotation_dims(dim, freqs.shape[1])
+    args = (
         kv, norm_weight, freqs, plan_rows, out_loc, pool_rows,
         rows, kv.stride(0), plan_rows.stride(0), pool_rows.stride(0), freqs.stride(0),
         float(eps), int(compress_ratio),
+    )
+    kwargs = dict(
         IS_DECODE=bool(is_decode), DIM=dim, LOG_DIM=log_dim, ROPE_DIM=rope_dim,
         BLOCK_ROWS=KEY_ROWS_PER_PROGRAM,
         ROUND_BY_HAND=_interpreted(_store_index_keys_kernel),
         num_warps=4,
     )
+    return (triton.cdiv(rows, KEY_ROWS_PER_PROGRAM),), args, kwargs

@@ -1,7 +1,6 @@
-"""Plain-torch references for the c4 indexer's numerics, for tests and benchmarks.
+"""Upstream's fp8 index numerics in plain torch, and dense logits: the references tests and
+benchmarks hold the bf16 kernels against (nothing in serving imports this module).
 
-- `hadamard_rotate` (from `index_rotation`): the rotation upstream applies to index keys and
-  queries before quantizing them.
 - `quantize_index_fp8`: upstream 0.5.23's fp8 index quantization, per row of 128 values:
   scale = max(amax, 1e-4) / 448 in fp32, values = e4m3(x * (1 / scale)). Keys keep the scale
   beside the row (132 B/token); the query's scale is folded into the head weights.
@@ -15,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kernel_dsv4.index_rotation import hadamard_rotate  # noqa: F401  (part of this API)
+from sgl_kernel_dsv4.index_contract import PAGE_TOKENS
 
 FP8_E4M3_MAX = 448.0
 FP8_SCALE_FLOOR = 1e-4
 FP8_INDEX_BYTES_PER_KEY = 128 + 4
 BF16_INDEX_BYTES_PER_KEY = 128 * 2
-PAGE_TOKENS = 64
 
 
 def quantize_index_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

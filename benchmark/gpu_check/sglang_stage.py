@@ -1,19 +1,20 @@
-"""The GPU proof kit's sglang stage: one bf16 decode step of a DeepSeek-V4 c4 indexer layer through
-upstream's real objects with the distribution's fixes applied, on a given device.
+"""The kit's sglang stage: one bf16 decode step of a DeepSeek-V4 c4 indexer layer through upstream's
+real objects with the distribution's fixes applied, on a given device, with each top-k step
+serving runs there: upstream's torch top-k everywhere, and on CUDA its CUDA top-k v1 and v2
+(the sgl-kernel backend, SGLANG_OPT_USE_TOPK_V2 off / on), each held against the CPU's.
 
-Only `benchmark.gpu_check` imports this, and only when sglang is importable (the bare GPU host has
-no sglang). The same seeded inputs run on each device, so the CUDA step can be held against the
-CPU step:
+Runs only when sglang is importable (the bare GPU host has no sglang; the module imports it only
+inside the step). The same seeded inputs run on each device:
 
 - the real DeepSeekV4TokenToKVPool for DeepSeek-V4-Flash with bf16 index keys, sized by upstream's
-  configurator chain (`sglang_dsv4.plan`), allocated on the device;
-- the write path: compressed rows turned into index keys by the fix's write step (RMSNorm,
-  RoPE, Hadamard, bf16; `write_keys` takes either form the fix has had) in the pool. Upstream's
+  configurator chain (`sglang_dsv4.plan.chain`), allocated on the device;
+- the write path: compressed rows turned into index keys by the fix's write step
+  (store_bf16_index_keys_from_plan: RMSNorm, RoPE, Hadamard, bf16) in the pool. Upstream's
   compress_forward itself is not run: its plan comes from upstream's CUDA planner, which needs a
   scheduled batch; the rows it would produce are given directly;
 - the read path: a real C4Indexer (seeded random weights) and C4Indexer.forward, which the fix
   routes to forward_c4_indexer_bf16 (bf16 query, bf16_paged_mqa_logits: Triton on CUDA, torch on
-  the CPU), then upstream's top-k step (torch backend) into the metadata's index buffers.
+  the CPU), then upstream's top-k step (the chosen backend) into the metadata's index buffers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmark.gpu_check.harness import Stage
+
+REPO = Path(__file__).resolve().parents[2]
 PAGE = 64
 TOPK = 512
 REQUESTS = ((700, 11), (300, 5))  # (index keys, pages) of the two requests decoded
@@ -38,23 +41,19 @@ def load_fixes():
     plugin.load()
 
 
-def write_keys(compressor_module, pool, layer, compressed, plan, out_loc, compressor) -> None:
-    """The fix's write step, whichever form it has: the store into the pool's bf16 rows
-    (store_bf16_index_keys_from_plan), or keys and slots, then the pool's set_index_k_bf16
-    (bf16_index_keys_from_plan, before the fused store)."""
-    store = getattr(compressor_module, "store_bf16_index_keys_from_plan", None)
-    if store is not None:
-        rows = pool.get_index_k_bf16_buffer(layer).view(-1, compressed.shape[1])
-        store(rows, compressed, plan, out_loc, compressor.norm, compressor.freqs_cis)
-        return
-    keys, slots = compressor_module.bf16_index_keys_from_plan(
-        compressed, plan, out_loc, compressor.norm, compressor.freqs_cis
-    )
-    pool.set_index_k_bf16(layer, slots, keys)
+TOPK_STEPS = ("torch", "v1", "v2")  # upstream's torch top-k; its CUDA top-k v1 and v2
 
 
-def run_decode_step_on(device: str, seed: int = 0) -> dict:
-    """Keys written and the top-512 positions chosen, on `device`; tensors come back on the CPU."""
+def topk_steps(device: str) -> tuple:
+    """The top-k steps serving runs on `device`: the CUDA ones need CUDA."""
+    return TOPK_STEPS if str(device).startswith("cuda") else TOPK_STEPS[:1]
+
+
+def run_decode_step_on(device: str, seed: int = 0, topk: str = "torch") -> dict:
+    """Keys written and the top-512 positions chosen, on `device`, with the top-k step `topk`
+    (see TOPK_STEPS); tensors come back on the CPU."""
+    if topk not in TOPK_STEPS:
+        raise ValueError(f"topk must be one of {TOPK_STEPS}, got {topk!r}")
     import torch
 
     load_fixes()
@@ -67,7 +66,7 @@ def run_decode_step_on(device: str, seed: int = 0) -> dict:
     from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
     from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang_dsv4.plan import activated, build_chain, build_pool, size_for_tokens
+    from sglang_dsv4.plan.chain import activated, build_chain, build_pool, size_for_tokens
 
     chain = build_chain("bf16")
     pool = build_pool(chain, size_for_tokens(chain, 5120, 4), device=device)
@@ -99,7 +98,11 @@ def run_decode_step_on(device: str, seed: int = 0) -> dict:
     plan = CompressorDecodePlan(4, rows.view(torch.uint8).to(device))
     compressed = (torch.randn(len(slots), 128, generator=gen) * 3).to(device)
     out_loc = torch.tensor(slots, device=device)
-    write_keys(compressor_v2, pool, layer, compressed, plan, out_loc, indexer.compressor)
+    rows_view = pool.get_index_k_bf16_buffer(layer).view(-1, compressed.shape[1])
+    compressor_v2.store_bf16_index_keys_from_plan(
+        rows_view, compressed, plan, out_loc, indexer.compressor.norm,
+        indexer.compressor.freqs_cis,
+    )
 
     # Read: one decode step of the two requests through the patched C4Indexer.forward.
     width = max(len(t) for t in tables)
@@ -107,13 +110,14 @@ def run_decode_step_on(device: str, seed: int = 0) -> dict:
     for row, pages in enumerate(tables):
         page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     lengths = torch.tensor([k for k, _ in REQUESTS], dtype=torch.int32)
+    use_v2 = topk == "v2"
     with envs.SGLANG_FP8_PAGED_MQA_LOGITS_TORCH.override(True):
         paged = PagedIndexerMetadata(
             page_size=256,
             compressed_page_size=PAGE,
             page_table=page_table.to(device),
             compressed_seq_lens=lengths.to(device),
-            use_topk_v2=False,
+            use_topk_v2=use_v2,
         )
     core = SimpleNamespace(
         positions=(lengths.long() * 4 + 2).to(device),
@@ -126,13 +130,13 @@ def run_decode_step_on(device: str, seed: int = 0) -> dict:
     )
     backend = object.__new__(DeepseekV4AttnBackend)  # its constructor needs a model runner
     backend.token_to_kv_pool = pool
-    backend.dsa_topk_backend = DSATopKBackend.TORCH
+    backend.dsa_topk_backend = DSATopKBackend.TORCH if topk == "torch" else DSATopKBackend.SGL_KERNEL
     backend.hisparse_coordinator = None
     backend.debug_use_external_c4_sparse_indices = False
     backend.forward_metadata = SimpleNamespace(indexer_metadata=paged, core_metadata=core)
     x = torch.randn(len(REQUESTS), 4096, generator=gen).to(torch.bfloat16).to(device)
     q_lora = torch.randn(len(REQUESTS), 1024, generator=gen).to(torch.bfloat16).to(device)
-    with torch.no_grad():
+    with torch.no_grad(), envs.SGLANG_OPT_USE_TOPK_V2.override(use_v2):
         indexer.forward(
             x=x,
             q_lora=q_lora,
@@ -174,3 +178,29 @@ def compare_steps(cpu: dict, other: dict) -> dict:
         "slots_follow_table": slots_ok,
         "ok": ok,
     }
+
+
+def stage_sglang(kit, rec):
+    """The real pool and the patched indexer, one decode step on this device vs the CPU, once
+    per top-k step serving runs on this device (the smoke run has only the CPU: there it checks
+    that the stage itself still runs)."""
+    cpu = run_decode_step_on("cpu")
+    for topk in topk_steps(kit.device):
+        other = run_decode_step_on(kit.device, topk=topk)
+        result = compare_steps(cpu, other)
+        rec["cases"].append(
+            {"case": f"decode step, top-k {topk}, pool on {kit.device} vs cpu", **result}
+        )
+    rec["ok"] = bool(rec["cases"]) and all(c["ok"] for c in rec["cases"])
+
+
+STAGES = (
+    Stage(
+        "sglang",
+        60,
+        "real DeepSeekV4TokenToKVPool on CUDA vs CPU, one decode step per top-k step",
+        stage_sglang,
+        needs_sglang=True,
+        proves_correctness=True,
+    ),
+)
