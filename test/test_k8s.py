@@ -1,0 +1,437 @@
+"""`sglang-dsv4 k8s`: the manifests, checked offline.
+
+There is no cluster here. What decides whether the manifests would serve is checked instead:
+every core object against the Kubernetes schemas that `kubernetes-validate` ships (strict: an
+unknown field fails), the LeaderWorkerSet objects field by field against the LeaderWorkerSet v1
+API, and for two sizes every pod's container run through the image's entrypoint (`--dry-run`) and
+parsed by upstream's own parsers (sglang's ServerArgs, sglang_router's RouterArgs), so the plan's
+figures are checked where upstream's launcher reads them. The figures are compared with what
+`sglang-dsv4 plan --json` prints for the command the manifest names.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+
+import kubernetes_validate
+import pytest
+import test_docker
+import yaml
+from sglang_dsv4.cli import main
+from test_docker import dry_run, router_argv, server_argv
+
+# The entrypoint's dry run and upstream's parsers (fixtures), as the compose tests use them.
+parse_server = test_docker.parse_server
+parse_router = test_docker.parse_router
+
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+CORE_KINDS = {"Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment"}
+SIZES = {
+    # One engine per node: StatefulSets, the defaults (4 RTX PRO 6000 per node, TP 4).
+    "one-node": [],
+    # Prefill at TP 8 across two 4-GPU nodes (LeaderWorkerSet), decode at TP 4, more replicas,
+    # HiCache on prefill, host network with RDMA, fp8 index keys, MTP, sessions.
+    "across-nodes": [
+        "--gpu", "h200", "--tp", "8", "--decode-tp", "4", "--gpus-per-node", "4",
+        "--index-k-dtype", "fp8", "--context", "65536", "--mtp",
+        "--prefill-replicas", "2", "--decode-replicas", "3", "--router-replicas", "2",
+        "--hicache", "prefill", "--hicache-ratio", "2", "--hicache-write-policy", "write_back",
+        "--host-network", "--ib-device", "mlx5_0", "--rdma-resource", "rdma/rdma_shared_device_a=1",
+        "--network-attachment", "rdma-net", "--namespace", "llm", "--name", "dsv4",
+        "--model-path", "/weights/v4", "--model-volume", "hostpath:/srv/models/v4",
+    ],
+}  # fmt: skip
+
+
+def render(tmp_path_factory, args: list[str]):
+    out = tmp_path_factory.mktemp("manifests")
+    assert main(["k8s", "--out", str(out), *args]) == 0
+    files = {path.name: path.read_text() for path in sorted(out.glob("*.yaml"))}
+    docs = [doc for text in files.values() for doc in yaml.safe_load_all(text) if doc]
+    return files, docs
+
+
+@pytest.fixture(scope="module", params=sorted(SIZES))
+def manifests(request, tmp_path_factory):
+    files, docs = render(tmp_path_factory, SIZES[request.param])
+    return request.param, files, docs
+
+
+def find(docs, kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    return found
+
+
+def one(docs, kind, name):
+    (doc,) = find(docs, kind, name)
+    return doc
+
+
+def plan_of(files: dict, role: str, capsys) -> dict:
+    """`sglang-dsv4 plan --json` run with the command the manifest's header names for `role`."""
+    (text,) = [t for name, t in files.items() if name.endswith(f"-{role}.yaml")]
+    (line,) = [ln for ln in text.splitlines() if "Figures from the memory plan:" in ln]
+    words = shlex.split(line.split(":", 1)[1])
+    assert words[:2] == ["sglang-dsv4", "plan"], words
+    capsys.readouterr()
+    assert main([*words[1:], "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(NAME) expansion in a container's args."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m[1]], value)
+
+
+def groups(docs, role):
+    """(workload, [(pod template, node rank)], nodes per engine) of a serving role."""
+    (workload,) = [
+        d
+        for d in docs
+        if d["kind"] in ("StatefulSet", "LeaderWorkerSet")
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == role
+    ]
+    if workload["kind"] == "StatefulSet":
+        return workload, [(workload["spec"]["template"], 0)], 1
+    lwt = workload["spec"]["leaderWorkerTemplate"]
+    size = lwt["size"]
+    pods = [(lwt["leaderTemplate"], 0)] + [(lwt["workerTemplate"], r) for r in range(1, size)]
+    return workload, pods, size
+
+
+def container_env(docs, pod: dict, extra: dict[str, str]) -> dict[str, str]:
+    """The variables the container starts with: its ConfigMaps, then its own env."""
+    (container,) = pod["spec"]["containers"]
+    env = {}
+    for source in container.get("envFrom", []):
+        env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:  # a pod field: a stand-in address
+            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            env[item["name"]] = "10.0.0.7"
+    return {**env, **extra}
+
+
+def leader_dns(docs, role: str, index: int) -> str:
+    """The DNS name Kubernetes gives replica `index` of a role (its leader across nodes)."""
+    workload, _, _ = groups(docs, role)
+    name, ns = workload["metadata"]["name"], workload["metadata"]["namespace"]
+    if workload["kind"] == "StatefulSet":
+        service = one(docs, "Service", workload["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None"  # headless: one name per pod
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        return f"{name}-{index}.{service['metadata']['name']}.{ns}.svc.cluster.local"
+    # LeaderWorkerSet, subdomain policy Shared: leaders NAME-i under its own headless Service NAME.
+    assert workload["spec"]["networkConfig"]["subdomainPolicy"] == "Shared"
+    return f"{name}-{index}.{name}.{ns}.svc.cluster.local"
+
+
+# --- schemas -----------------------------------------------------------------------------------
+
+
+def schema_versions() -> list[str]:
+    # The oldest cluster LeaderWorkerSet supports, and the newest schemas shipped.
+    return ["1.29", kubernetes_validate.latest_version()]
+
+
+def test_every_core_object_validates_against_the_kubernetes_schemas(manifests):
+    _, _, docs = manifests
+    kinds = {d["kind"] for d in docs}
+    assert CORE_KINDS - {"StatefulSet"} <= kinds
+    assert kinds <= CORE_KINDS | {"LeaderWorkerSet"}
+    for doc in docs:
+        for version in schema_versions():
+            if doc["kind"] == "LeaderWorkerSet":
+                # Its pod templates are core PodTemplateSpecs: validate them as such.
+                lwt = doc["spec"]["leaderWorkerTemplate"]
+                for key in ("leaderTemplate", "workerTemplate"):
+                    wrapped = {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": f"{doc['metadata']['name']}-{key.lower()}"},
+                        "template": lwt[key],
+                    }
+                    kubernetes_validate.validate(wrapped, version, strict=True)
+            else:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_strict_validation_rejects_what_a_cluster_would(tmp_path_factory):
+    _, docs = render(tmp_path_factory, [])
+    workload = one(docs, "StatefulSet", "sglang-dsv4-prefill")
+    version = schema_versions()[-1]
+    kubernetes_validate.validate(workload, version, strict=True)
+    unknown = copy.deepcopy(workload)
+    unknown["spec"]["template"]["spec"]["containers"][0]["gpus"] = 4
+    wrong_type = copy.deepcopy(workload)
+    wrong_type["spec"]["replicas"] = "one"
+    for broken in (unknown, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, version, strict=True)
+
+
+# LeaderWorkerSet v1 (kubernetes-sigs/lws api/leaderworkerset/v1): the fields and values it takes.
+LWS_SPEC = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+LWS_TEMPLATE = {
+    "leaderTemplate",
+    "workerTemplate",
+    "size",
+    "restartPolicy",
+    "subGroupPolicy",
+    "volumeClaimTemplates",
+    "persistentVolumeClaimRetentionPolicy",
+}
+LWS_ENUMS = {
+    "startupPolicy": {"LeaderCreated", "LeaderReady"},
+    "restartPolicy": {"RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None", "Default"},
+    "subdomainPolicy": {"Shared", "UniquePerReplica"},
+}
+
+
+def test_leaderworkerset_uses_only_fields_of_its_api(manifests):
+    size, _, docs = manifests
+    objects = find(docs, "LeaderWorkerSet")
+    assert bool(objects) == (size == "across-nodes")
+    for lws in objects:
+        assert lws["apiVersion"] == LWS_API
+        assert set(lws) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(lws["metadata"]) <= {"name", "namespace", "labels", "annotations"}
+        spec = lws["spec"]
+        assert set(spec) <= LWS_SPEC and "leaderWorkerTemplate" in spec
+        assert isinstance(spec["replicas"], int) and spec["replicas"] >= 1
+        assert spec["startupPolicy"] in LWS_ENUMS["startupPolicy"]
+        assert set(spec["networkConfig"]) == {"subdomainPolicy"}
+        assert spec["networkConfig"]["subdomainPolicy"] in LWS_ENUMS["subdomainPolicy"]
+        lwt = spec["leaderWorkerTemplate"]
+        assert set(lwt) <= LWS_TEMPLATE and "workerTemplate" in lwt
+        assert isinstance(lwt["size"], int) and lwt["size"] >= 2
+        assert lwt["restartPolicy"] in LWS_ENUMS["restartPolicy"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            assert set(lwt[key]) == {"metadata", "spec"}
+        # The LeaderWorkerSet makes its own headless Service of its name: none may clash with it.
+        assert not find(docs, "Service", lws["metadata"]["name"])
+
+
+# --- the plan's figures where upstream's launcher reads them ------------------------------------
+
+
+def test_servers_start_what_the_plan_computed(manifests, parse_server, capsys):
+    size, files, docs = manifests
+    for role in ("prefill", "decode"):
+        p = plan_of(files, role, capsys)
+        workload, pods, nnodes = groups(docs, role)
+        assert (workload["kind"] == "LeaderWorkerSet") == (
+            size == "across-nodes" and role == "prefill"
+        )
+        for pod, node_rank in pods:
+            (container,) = pod["spec"]["containers"]
+            gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+            assert gpus * nnodes == p["tp"]
+            assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+            lws = {
+                "LWS_LEADER_ADDRESS": leader_dns(docs, role, 0).rsplit(".svc.", 1)[0],
+                "LWS_GROUP_SIZE": str(nnodes),
+                "LWS_WORKER_INDEX": str(node_rank),
+            }
+            env = container_env(docs, pod, {})
+            args = [expand(a, lws) for a in container["args"]]
+            assert args[0] == role and "command" not in container  # the image's entrypoint
+            dtype, argv = server_argv(dry_run(*args[:1], "--dry-run", *args[1:], env=env))
+            server = parse_server(argv)
+            assert dtype == p["index_k_dtype"]
+            assert server.tp_size == p["tp"]
+            assert server.mem_fraction_static == pytest.approx(p["mem_fraction_static"])
+            assert server.max_running_requests == p["max_running_requests"]
+            assert server.disaggregation_mode == role
+            assert server.disaggregation_transfer_backend == "nixl"
+            assert (server.speculative_algorithm == "EAGLE") == p["mtp"]
+            assert (server.nnodes, server.node_rank) == (nnodes, node_rank)
+            if nnodes > 1:
+                port = next(
+                    x
+                    for x in pods[0][0]["spec"]["containers"][0]["ports"]
+                    if x["name"] == "dist-init"
+                )["containerPort"]
+                assert server.dist_init_addr == f"{lws['LWS_LEADER_ADDRESS']}:{port}"
+            # The figures on the pod are the plan's.
+            notes = pod["metadata"]["annotations"]
+            assert notes["sglang-dsv4/plan-max-running-requests"] == str(p["max_running_requests"])
+            assert notes["sglang-dsv4/plan-max-total-num-tokens"] == str(p["max_total_num_tokens"])
+            assert notes["sglang-dsv4/plan-kv-memory-bytes"] == str(p["kv_memory_bytes"])
+            if "sessions" in p:
+                assert notes["sglang-dsv4/plan-sessions-per-rank"] == str(p["sessions"]["per_rank"])
+            # Where the pod mounts the model is where the server reads it.
+            mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+            assert server.model_path == mounts["model"]
+            assert mounts["dshm"] == "/dev/shm"
+            # Ports, probes and Services meet where the server listens.
+            ports = {x["name"]: x["containerPort"] for x in container["ports"]}
+            assert server.port == ports["http"]
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert container[probe]["httpGet"]["port"] == "http"
+            assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+            ready = container["readinessProbe"]["httpGet"]["path"]
+            assert ready == ("/ready" if node_rank == 0 else "/health")
+            if role == "prefill" and node_rank == 0:
+                assert server.disaggregation_bootstrap_port == ports["bootstrap"]
+            hicache = "--hicache" in SIZES[size] and role == "prefill"
+            assert server.enable_hierarchical_cache is hicache
+            if hicache:
+                assert server.hicache_ratio == pytest.approx(2.0)
+                assert server.hicache_write_policy == "write_back"
+            host_network = pod["spec"].get("hostNetwork", False)
+            assert host_network is ("--host-network" in SIZES[size])
+            if host_network:
+                assert pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+            rdma = "--ib-device" in SIZES[size]
+            assert (server.disaggregation_ib_device == "mlx5_0") is rdma
+            capabilities = container["securityContext"].get("capabilities", {}).get("add", [])
+            assert ("IPC_LOCK" in capabilities) is rdma
+
+
+def test_the_router_reaches_every_server_by_its_pod_name(manifests, parse_server, parse_router):
+    size, _, docs = manifests
+    (deployment,) = find(docs, "Deployment")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["args"] == ["router"] and "command" not in container
+    assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {})
+    router = parse_router(
+        router_argv(dry_run("router", "--dry-run", env=container_env(docs, pod, {})))
+    )
+    expected = {}
+    for role in ("prefill", "decode"):
+        workload, pods, _ = groups(docs, role)
+        leader = pods[0][0]
+        env = container_env(
+            docs,
+            leader,
+            {"LWS_LEADER_ADDRESS": "x", "LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"},
+        )
+        server = parse_server(server_argv(dry_run(role, "--dry-run", env=env))[1])
+        urls = [
+            f"http://{leader_dns(docs, role, i)}:{server.port}"
+            for i in range(workload["spec"]["replicas"])
+        ]
+        expected[role] = (urls, server.disaggregation_bootstrap_port)
+    urls, bootstrap = expected["prefill"]
+    assert router.prefill_urls == [(url, bootstrap) for url in urls]
+    assert router.decode_urls == expected["decode"][0]
+    replicas = {"prefill": 1, "decode": 1} if size == "one-node" else {"prefill": 2, "decode": 3}
+    assert (len(router.prefill_urls), len(router.decode_urls)) == (
+        replicas["prefill"],
+        replicas["decode"],
+    )
+    (service,) = [
+        s for s in find(docs, "Service") if s["metadata"]["name"] == deployment["metadata"]["name"]
+    ]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert (
+        service["spec"]["ports"][0]["port"] == router.port == container["ports"][0]["containerPort"]
+    )
+
+
+def test_probe_paths_are_routes_upstream_serves():
+    import inspect
+
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.common import launch_dummy_health_check_server
+
+    routes = {getattr(route, "path", None) for route in app.routes}
+    assert {"/health", "/ready"} <= routes
+    # A node other than an engine's first serves only the stand-in health server.
+    source = inspect.getsource(launch_dummy_health_check_server)
+    assert '"/health"' in source and '"/ready"' not in source
+
+
+def test_router_probe_paths_are_routes_the_router_serves(tmp_path_factory):
+    import importlib.util
+    from pathlib import Path
+
+    # sglang_router's server is compiled (Rust): its route table is in the library's strings.
+    package = Path(importlib.util.find_spec("sglang_router").origin).parent
+    (library,) = package.glob("sglang_router_rs*.so")
+    strings = library.read_bytes()
+    _, docs = render(tmp_path_factory, [])
+    (container,) = find(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        path = container[probe]["httpGet"]["path"]
+        assert path.encode() in strings, path
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--tp", "6", "--gpus-per-node", "4"], ["prefill TP 6", "multiple of 4"]),
+        (["--hicache-ratio", "2"], ["--hicache-ratio", "HiCache is off"]),
+        (["--model-volume", "nfs:/x"], ["--model-volume", "pvc:NAME"]),
+        (["--ib-device", "mlx5_0:1"], ["--ib-device", "without a port"]),
+        (["--rdma-resource", "rdma=one"], ["--rdma-resource", "NAME=COUNT"]),
+        (["--namespace", "LLM"], ["--namespace", "DNS label"]),
+        (["--index-k-dtype", "int4"], ["'int4' is not supported"]),
+        (["--gpu", "toaster"], ["--gpu 'toaster'", "unknown GPU"]),
+        (["--shm-size", "32 gigs"], ["--shm-size", "quantity"]),
+        (["--context", "0"], ["--context 0", "at least 1"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, words):
+    out = tmp_path / "out"
+    assert main(["k8s", "--out", str(out), *args]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith("sglang-dsv4 k8s: ")
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_rendering_again_into_default_drops_only_its_own_namespace_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["k8s", "--out", str(out), "--namespace", "llm"]) == 0
+    assert one(yaml.safe_load_all((out / "00-namespace.yaml").read_text()), "Namespace", "llm")
+    (out / "kustomization.yaml").write_text("resources: []\n")  # the operator's own file
+    assert main(["k8s", "--out", str(out), "--namespace", "default"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["10-prefill.yaml", "20-decode.yaml", "30-router.yaml", "kustomization.yaml"]
+    docs = [d for p in out.glob("[0-9]*.yaml") for d in yaml.safe_load_all(p.read_text()) if d]
+    assert {d["metadata"]["namespace"] for d in docs} == {"default"}
+    # A file of that name the command did not write stays.
+    (out / "00-namespace.yaml").write_text("apiVersion: v1\nkind: Namespace\n")
+    assert main(["k8s", "--out", str(out), "--namespace", "default"]) == 0
+    assert (out / "00-namespace.yaml").exists()
+    capsys.readouterr()
+
+
+# --- docker/README.md: the cluster commands it shows ---------------------------------------------
+
+
+def test_the_cluster_commands_in_the_readme_render_and_are_applied(tmp_path, capsys):
+    commands = test_docker.shell_commands(test_docker.readme_section("A cluster (Kubernetes)"))
+    renders = [w for w in commands if w[:2] == ["sglang-dsv4", "k8s"]]
+    applied = [w[-1] for w in commands if w[:3] == ["kubectl", "apply", "-f"]]
+    assert len(renders) == 2 and len(applied) == len(renders)
+    kinds = []
+    for words in renders:
+        out = words[words.index("--out") + 1]
+        assert out in applied  # each rendered folder is the one applied
+        local = [*words[2:]]
+        local[local.index("--out") + 1] = str(tmp_path / out)
+        assert main(["k8s", *local]) == 0
+        docs = [
+            d for p in (tmp_path / out).glob("*.yaml") for d in yaml.safe_load_all(p.read_text())
+        ]
+        kinds.append({d["kind"] for d in docs if d})
+    # One of each shape: an engine on one node, and one spanning nodes.
+    assert "StatefulSet" in kinds[0] and "LeaderWorkerSet" not in kinds[0]
+    assert "LeaderWorkerSet" in kinds[1]
+    capsys.readouterr()
