@@ -35,6 +35,7 @@ from pathlib import Path
 
 import prometheus_client
 from aiohttp import web
+from sglang_dsv4 import metrics
 
 from benchmark import dsml
 from benchmark.arg_types import DefaultsHelpFormatter, rate, seconds
@@ -58,17 +59,9 @@ RATE_FLAGS = {
 }
 COMMANDS = ("pytest -q", "git status", "make lint", "ls -la", "python -m build", "git diff --stat")
 # The counters a DeepSeek-V4 server of this distribution exposes on /metrics, as it names them.
-SANITIZER_METRIC = "sglang:dsv4_sanitizer_violations_total"
-SANITIZER_KINDS = (
-    "use_after_free",
-    "foreign_page",
-    "double_owner",
-    "over_commit",
-    "unwritten_read",
-    "shadow_mismatch",
-    "pd_checksum",
-)
-NIXL_METRIC = "sglang:nixl_control_thread_events_total"
+SANITIZER_METRIC = metrics.SANITIZER_VIOLATIONS
+SANITIZER_KINDS = metrics.SANITIZER_KINDS
+NIXL_METRIC = metrics.NIXL_CONTROL_THREAD_EVENTS
 
 
 @dataclass

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-TOOLS = ["liveness", "throughput", "dsml_soak", "mock_server", "startup_cost"]
+TOOLS = ["liveness", "throughput", "dsml_soak", "mock_server", "startup_cost", "cpu_speed"]
 
 
 @pytest.mark.parametrize("tool", TOOLS)

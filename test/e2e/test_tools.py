@@ -1,0 +1,45 @@
+"""The DSML soak and the release gate, once each, against the live CPU server (plumbing: real
+HTTP, the real scheduler, upstream's DeepSeek-V4 tool-call parser on a random model's output).
+What they measure is reported; a random model writes no valid tool calls, so the figures are not
+a bar, but both tools must run to their end, read the server's metrics and count its replies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support.live import _env, full_suite_only
+
+pytestmark = full_suite_only()
+
+
+def _run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          env=_env(None), timeout=timeout)
+
+
+def test_dsml_soak_runs_against_the_cpu_server(plain, tmp_path):
+    out = tmp_path / "soak.json"
+    proc = _run(["benchmark.dsml_soak", "--base-url", plain.url, "--sessions", "2", "--turns", "2",
+                 "--max-tokens", "24", "--temperature", "0", "--target-context", "1500", "--json", str(out)])
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    print("dsml soak:", json.dumps({k: report[k] for k in list(report)[:8]}))
+    assert report["responses"] >= 4
+
+
+def test_release_gate_runs_against_the_cpu_server(plain, tiny_model_dir, tmp_path):
+    out = tmp_path / "gate.json"
+    proc = _run(["benchmark.release_gate", "--router", plain.url, "--decode", plain.url,
+                 "--rounds", "1", "--sessions", "2", "--turns", "2", "--max-tokens", "16",
+                 "--concurrency", "2", "--num-prompts", "4", "--input-len", "64",
+                 "--output-len", "8", "--tokenizer", str(tiny_model_dir), "--require-sanitizer",
+                 "--out-dir", str(tmp_path / "gate"), "--json", str(out)])
+    assert out.exists(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    print("release gate:", report["verdict"], json.dumps(report["criteria"])[:2000])
+    criteria = {c["criterion"]: c for c in report["criteria"]}
+    sanitizer = [c for name, c in criteria.items() if "sanitizer" in name.lower()]
+    # It read the server's counter (not "NOT ENABLED"): the sanitizer is on, with 0 violations.
+    assert sanitizer and sanitizer[0]["status"] == "PASS", criteria

@@ -1,0 +1,141 @@
+"""When the CPU backend turns itself on, and that it hooks nothing anywhere else.
+
+The plugin runs through upstream's own `load_plugins()` in a fresh interpreter whose command line
+is the server's (`sys.argv` as `python -m sglang.launch_server ...` leaves it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from sglang_dsv4 import cpu_backend
+from sglang_dsv4.fixes import REGISTER
+from sglang_dsv4.maintain.export import __name__ as _export_module  # noqa: F401  (imports cleanly)
+
+
+@pytest.fixture
+def dsv4_dir(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"})
+    )
+    return tmp_path
+
+
+def test_decision_needs_device_cpu_and_a_deepseek_v4_model(dsv4_dir, tmp_path_factory):
+    other = tmp_path_factory.mktemp("llama")
+    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    launch = ["sglang.launch_server", "--model-path"]
+    assert cpu_backend.decide([*launch, str(dsv4_dir), "--device", "cpu"], {})[0]
+    assert cpu_backend.decide([*launch, str(dsv4_dir), "--device=cpu"], {})[0]
+    assert not cpu_backend.decide([*launch, str(dsv4_dir), "--device", "cuda"], {})[0]
+    assert not cpu_backend.decide([*launch, str(dsv4_dir)], {})[0]
+    assert not cpu_backend.decide([*launch, str(other), "--device", "cpu"], {})[0]
+    # the launching process's decision, inherited by its schedulers, wins over their argv
+    assert cpu_backend.decide([], {cpu_backend.ENV: "1"})[0]
+    assert not cpu_backend.decide([*launch, str(dsv4_dir), "--device", "cpu"],
+                                  {cpu_backend.ENV: "0"})[0]
+    with pytest.raises(ValueError, match=cpu_backend.ENV):
+        cpu_backend.decide([], {cpu_backend.ENV: "maybe"})
+
+
+def test_entries_set_upstream_switches_and_record_the_decision(dsv4_dir):
+    environ = {"SGLANG_SM120_FLASHMLA_BACKEND": "flashinfer"}
+    argv = ["x", "--model-path", str(dsv4_dir), "--device", "cpu"]
+    entry, index, nixl = cpu_backend.entries(argv, environ)
+    assert index.id == "cpu-backend-index"
+    assert nixl.id == "cpu-backend-nixl"
+    assert nixl.upstream_modules == ("sglang.srt.disaggregation.nixl.conn",)
+    assert entry.id == cpu_backend.ID and entry.upstream_modules == cpu_backend.UPSTREAM_MODULES
+    assert environ[cpu_backend.ENV] == "1"
+    for name, value in cpu_backend.SWITCHES.items():
+        assert environ[name] == value
+    environ = {}
+    assert cpu_backend.entries(["x", "--model-path", str(dsv4_dir)], environ) == ()
+    assert environ == {cpu_backend.ENV: "0"}
+
+
+def test_not_in_the_register_so_never_exported_nor_rebase_checked():
+    assert cpu_backend.ID not in {e.id for e in REGISTER}
+    from sglang_dsv4.cpu_backend.hooks import FIX
+
+    assert FIX.upstream.startswith("not for upstream")
+    assert set(FIX.targets) == {r.target for r in FIX.replaces}
+    assert {t.rsplit(".", 1)[0] for t in FIX.targets} <= {
+        m for m in cpu_backend.UPSTREAM_MODULES
+    } | {f"{m}.{c}" for m in cpu_backend.UPSTREAM_MODULES for c in (
+        "CompressorPrefillPlan", "CompressorDecodePlan", "DSATopKBackend")}
+
+
+PROBE = """
+import json, sys
+sys.argv = {argv!r}
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang_dsv4 import cpu_backend, plugin
+state = {{k: v.status for k, v in plugin.STATE.items()}}
+if state.get(cpu_backend.ID) is not None:
+    plugin.settle()
+    state = {{k: v.status for k, v in plugin.STATE.items()}}
+from sglang.srt.plugins.hook_registry import HookRegistry
+ours = sorted(t for t in HookRegistry._patched if t.startswith(("sglang.kernels", "sglang.srt.layers.rotary", "sglang.srt.layers.attention.dsa")) or t.endswith("_torch_sm120"))
+import os, torch
+print(json.dumps({{"state": state, "ours": ours, "describe": cpu_backend.describe(plugin.STATE),
+                   "switch": os.environ.get("SGLANG_SM120_FLASHMLA_BACKEND"),
+                   "threads": torch.get_num_threads()}}))
+"""
+
+
+def run_probe(argv):
+    env = {k: v for k, v in os.environ.items() if k != cpu_backend.ENV}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE.format(argv=argv))],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gpu_run_gets_no_hook_and_no_switch(dsv4_dir):
+    out = run_probe(["sglang.launch_server", "--model-path", str(dsv4_dir), "--device", "cuda"])
+    assert cpu_backend.ID not in out["state"]
+    assert out["ours"] == [] and out["switch"] is None
+    assert out["describe"]["hooks"] == 0 and out["describe"]["summary"].startswith("off, 0 hooks")
+
+
+def test_cpu_run_applies_every_target(dsv4_dir):
+    from sglang_dsv4.cpu_backend.hooks import FIX
+
+    out = run_probe(["sglang.launch_server", "--model-path", str(dsv4_dir), "--device", "cpu"])
+    assert out["state"][cpu_backend.ID] == "applied"
+    assert sorted(out["ours"]) == sorted(FIX.targets)
+    assert out["switch"] == "torch"
+    assert out["describe"]["on"] and out["describe"]["hooks"] == len(FIX.replaces)
+    assert out["threads"] == 1  # one intra-op thread unless SGLANG_DSV4_CPU_THREADS says more
+
+
+def test_torch_threads_default_to_one_and_follow_the_variable():
+    assert cpu_backend.torch_threads({}) == 1
+    assert cpu_backend.torch_threads({cpu_backend.THREADS_ENV: "3"}) == 3
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match=cpu_backend.THREADS_ENV):
+            cpu_backend.torch_threads({cpu_backend.THREADS_ENV: bad})
+
+
+def test_triton_path_is_opt_in(dsv4_dir):
+    argv = ["x", "--model-path", str(dsv4_dir), "--device", "cpu"]
+    # by default the bf16 index logits take the torch op; opting in, the Triton kernel instead
+    assert [e.id for e in cpu_backend.entries(argv, {})] == [
+        cpu_backend.ID, "cpu-backend-index", "cpu-backend-nixl"]
+    both = cpu_backend.entries(argv, {cpu_backend.TRITON_ENV: "1"})
+    assert [e.id for e in both] == [cpu_backend.ID, "cpu-backend-triton", "cpu-backend-nixl"]
+    from sglang_dsv4.cpu_backend import index_hooks
+
+    assert [r.target for r in index_hooks.FIX.replaces] == [
+        "sgl_kernel_dsv4.index_logits.bf16_paged_mqa_logits"]
+    from sglang_dsv4.cpu_backend import triton_hooks
+
+    assert [r.target for r in triton_hooks.FIX.replaces] == list(both[1].upstream_modules and (
+        "sgl_kernel_dsv4.index_logits.bf16_paged_mqa_logits",))

@@ -1,0 +1,130 @@
+"""The CPU backend's NIXL memory (cpu_backend/nixl_hooks.py): upstream's NixlKVManager registers a
+CPU server's buffers and writes between them as host memory, on real NIXL agents with UCX.
+
+The managers are built without their constructor (test/support/nixl.py says why); what runs is
+upstream's `register_buffer_to_engine` through the hook and NIXL's own agents. The PD end-to-end
+test (test/e2e/test_pd.py) runs the same hook inside real prefill and decode servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from nixl._bindings import nixlBackendError
+from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+from sglang_dsv4 import cpu_backend
+from sglang_dsv4.cpu_backend import nixl_hooks
+from support.nixl import HANG_GUARD_S, ucx_agent
+
+PAGE = 4096
+
+
+def host_manager(role: str, fill: int) -> tuple[NixlKVManager, dict[str, torch.Tensor]]:
+    """A manager whose KV, aux and state buffers are host tensors, as on a --device cpu server,
+    with upstream's default memory kinds (VRAM) and a GPU id that is not 0."""
+    buffers = {
+        "kv": torch.full((4 * PAGE,), fill, dtype=torch.uint8),
+        "aux": torch.zeros(PAGE, dtype=torch.uint8),
+        "state": torch.full((2 * PAGE,), fill, dtype=torch.uint8),
+    }
+    mgr = object.__new__(NixlKVManager)
+    mgr.agent = ucx_agent(role)
+    args = KVArgs()
+    args.gpu_id, args.engine_rank = 3, 0
+    args.kv_data_ptrs, args.kv_data_lens = [buffers["kv"].data_ptr()], [buffers["kv"].numel()]
+    args.kv_data_mem_kinds = ["VRAM"]
+    args.aux_data_ptrs, args.aux_data_lens = [buffers["aux"].data_ptr()], [PAGE]
+    args.state_data_ptrs = [[buffers["state"].data_ptr()]]
+    args.state_data_lens = [[buffers["state"].numel()]]
+    mgr.kv_args = args
+    return mgr, buffers
+
+
+def test_upstream_registration_of_host_buffers_as_vram_is_refused():
+    """Why the hook exists: UCX without CUDA refuses a host buffer named VRAM."""
+    mgr, _ = host_manager("plain", 0)
+    with pytest.raises(nixlBackendError):
+        mgr.register_buffer_to_engine()
+
+
+def test_host_buffers_register_and_a_vram_write_lands_byte_for_byte():
+    prefill, src = host_manager("prefill", 0)
+    decode, dst = host_manager("decode", 0)
+    for mgr in (prefill, decode):
+        nixl_hooks.register_buffer_to_engine(mgr)
+        assert isinstance(mgr.agent, nixl_hooks.HostMemoryAgent)
+        assert mgr.kv_descs and mgr.aux_descs and mgr.state_descs
+    nixl_hooks.register_buffer_to_engine(prefill)  # a second call does not wrap twice
+    assert not isinstance(prefill.agent._agent, nixl_hooks.HostMemoryAgent)
+
+    src["kv"][PAGE : 2 * PAGE] = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
+    dst["kv"][:] = 0xAB
+    peer = prefill.agent.add_remote_agent(decode.agent.get_agent_metadata())
+    # Descriptors as upstream's send path builds them: VRAM, the GPU's id.
+    src_reqs = np.array([[src["kv"].data_ptr() + PAGE, PAGE, 3]], dtype=np.uint64)
+    dst_reqs = np.array([[dst["kv"].data_ptr() + 2 * PAGE, PAGE, 3]], dtype=np.uint64)
+    handle = prefill.agent.initialize_xfer(
+        "WRITE",
+        prefill.agent.get_xfer_descs(src_reqs, "VRAM"),
+        prefill.agent.get_xfer_descs(dst_reqs, "VRAM"),
+        peer,
+    )
+    state = prefill.agent.transfer(handle)
+    deadline = time.monotonic() + HANG_GUARD_S  # a hang guard, not a speed bound
+    while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+        state = prefill.agent.check_xfer_state(handle)
+    assert state == "DONE"
+    assert torch.equal(dst["kv"][2 * PAGE : 3 * PAGE], src["kv"][PAGE : 2 * PAGE])
+    # Nothing else of the destination was written.
+    assert bool((dst["kv"][: 2 * PAGE] == 0xAB).all() and (dst["kv"][3 * PAGE :] == 0xAB).all())
+    prefill.agent.release_xfer_handle(handle)
+
+
+def test_descriptors_that_name_no_gpu_pass_unchanged():
+    arr = np.array([[1, 2, 7]], dtype=np.uint64)
+    assert nixl_hooks.host_descs(arr)[0, 2] == 0 and arr[0, 2] == 7  # a copy, device 0
+    assert nixl_hooks.host_descs([(1, 2, 7, "x")]) == [(1, 2, 0, "x")]
+    tensor = torch.zeros(4)
+    assert nixl_hooks.host_descs(tensor) is tensor
+
+
+# A --device cpu server's scheduler, as far as the hook goes: the plugin loaded the way upstream's
+# server loads it, the NIXL module imported (which installs the hook), a manager registered.
+SERVER_PROCESS = """
+import json, sys
+sys.argv = ["sglang.launch_server", "--model-path", {model!r}, "--device", "cpu"]
+sys.path.insert(0, {test_dir!r})
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.disaggregation.nixl.conn
+from sglang_dsv4 import plugin
+plugin.settle()
+from test_cpu_nixl_memory import host_manager
+from sglang_dsv4.cpu_backend.nixl_hooks import HostMemoryAgent
+mgr, _ = host_manager("server", 0)
+mgr.register_buffer_to_engine()
+print(json.dumps({{"status": plugin.STATE["cpu-backend-nixl"].status,
+                   "wrapped": isinstance(mgr.agent, HostMemoryAgent),
+                   "kv_descs": len(mgr.kv_descs)}}))
+"""
+
+
+def test_a_cpu_server_installs_the_hook_through_upstreams_registry(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"]}))
+    script = SERVER_PROCESS.format(model=str(tmp_path), test_dir=str(Path(__file__).parent))
+    env = {k: v for k, v in os.environ.items() if k != cpu_backend.ENV}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"status": "applied", "wrapped": True, "kv_descs": 1}
