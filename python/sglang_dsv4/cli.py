@@ -22,11 +22,20 @@ from sglang_dsv4 import UPSTREAM_PIN, __version__
 # name -> (module, one-line help); the module is imported only when its command runs.
 COMMANDS = {
     "status": ("sglang_dsv4.status", "upstream pin, each fix and whether it is in force"),
-    "export-patches": ("sglang_dsv4.export", "write the carried changes as a git patch series"),
-    "plan": ("sglang_dsv4.plan", "per-rank KV memory plan of a DeepSeek-V4 model (no GPU needed)"),
+    "export-patches": ("sglang_dsv4.maintain.export", "write the carried changes as a git patch series"),
+    "plan": ("sglang_dsv4.plan.command", "per-rank KV memory plan of a DeepSeek-V4 model (no GPU needed)"),
+    "k8s": ("sglang_dsv4.k8s", "Kubernetes manifests for the PD deployment, from the memory plan"),
+    "tiny-model": (
+        "sglang_dsv4.tiny_model",
+        "write a tiny random DeepSeek-V4 checkpoint that `launch_server --device cpu` serves",
+    ),
     "rebase-check": (
-        "sglang_dsv4.rebase_check",
+        "sglang_dsv4.maintain.rebase_check",
         "fix by fix on another upstream tree: needed, already upstream, or broken",
+    ),
+    "kernels": (
+        "sglang_dsv4.kernels",
+        "compile every Triton kernel for sm_120 / sm_90 / sm_100: fit, spills, residency, waves",
     ),
 }
 
@@ -77,6 +86,20 @@ def quiet_upstream_imports() -> None:
     # Upstream's GPU-probing modules log warnings (no handler configured: Python's last resort
     # prints them); its errors still show.
     logging.getLogger("sglang").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def upstream_quiet():
+    """`quiet_upstream_imports()` for the duration only, then restored (for code run in-process,
+    as tests run commands)."""
+    sglang_logger = logging.getLogger("sglang")
+    level = sglang_logger.level
+    try:
+        with warnings.catch_warnings():
+            quiet_upstream_imports()
+            yield
+    finally:
+        sglang_logger.setLevel(level)
 
 
 def build_parser() -> argparse.ArgumentParser:
