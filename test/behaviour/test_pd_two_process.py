@@ -17,6 +17,11 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from support.nixl import HOST
 from support.pd_process import START_S, Rank
 
+# How long a failure may take to reach the other process before the test calls it lost. A liveness
+# bound, not a speed target: without the fixes the room waits for upstream's waiting timeout
+# (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s); the time it took is printed, never asserted.
+FAILURE_ARRIVES_S = 30.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,7 +54,7 @@ def test_kill_prefill_mid_room_decode_fails_fast_and_a_restarted_prefill_serves(
 
         t0 = time.monotonic()
         first.kill()
-        failed = decode.room(101, KVPoll.Failed, 2.0)
+        failed = decode.room(101, KVPoll.Failed, FAILURE_ARRIVES_S)
         print(f"\nkill -9 prefill -> decode room failed in {time.monotonic() - t0:.2f} s")
         assert (
             f"Lost connection with prefill instance (bootstrap_addr: {bootstrap_addr})"
@@ -69,13 +74,13 @@ def test_kill_prefill_mid_room_decode_fails_fast_and_a_restarted_prefill_serves(
         served = decode.room(102, KVPoll.Success, 5)
         assert served["freed"]
 
-        # A failure on the prefill's side reaches the decode process within a second.
+        # A failure on the prefill's side reaches the decode process (in well under a second, unloaded).
         restarted.send("open 103")
         decode.send("open 103")
         restarted.room(103, KVPoll.WaitingForInput, 10)
         t0 = time.monotonic()
         restarted.send("abort 103")
-        failed = decode.room(103, KVPoll.Failed, 1.0)
+        failed = decode.room(103, KVPoll.Failed, FAILURE_ARRIVES_S)
         print(f"prefill abort -> decode room failed in {time.monotonic() - t0:.2f} s")
         assert "Aborted by AbortReq." in failed["reason"] and failed["freed"]
     finally:
