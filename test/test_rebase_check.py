@@ -151,9 +151,10 @@ def test_previous_release_verdicts_follow_its_source(series, capsys):
         pytest.fail(str(exc))  # CI reaches the package index; without it this proof cannot run
 
     assert rebase_check.register()  # the pin's register, read in this process
-    args = argparse.Namespace(
-        version=PREVIOUS_RELEASE, upstream_src=None, fix=None, no_tests=True, json=True
-    )
+    # The command's own parser, so every option it has takes its default.
+    parser = argparse.ArgumentParser()
+    rebase_check.add_arguments(parser)
+    args = parser.parse_args(["--version", PREVIOUS_RELEASE, "--no-tests", "--json"])
     code = rebase_check.run(args)
     report = json.loads(capsys.readouterr().out)
     assert report["upstream"]["version"] == PREVIOUS_RELEASE
