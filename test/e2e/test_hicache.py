@@ -1,9 +1,25 @@
 """HiCache with host offload forced against HiCache off (bf16 index keys), and bf16 against fp8.
 
-The HiCache server's device pool holds about two of the shared prefixes below; the workload
-cycles through four, so a prefix is evicted to the host and loaded back while other requests
-decode. A load copies the pages' bytes back as they were written: the tokens must equal those of
-the same requests on the server without HiCache, no tolerance.
+The HiCache server's device pool holds the two running requests and little more (3072 tokens,
+pages of 256); the workload cycles through four shared prefixes of 1024 tokens, two requests at a
+time, so every prefix is evicted to the host and loaded back while another request decodes
+(the CPU backend's host pools: cpu_backend/hicache_hooks.py).
+
+What is compared, and the tolerance:
+- Bytes: every page a load brings back is digested against the digest taken at its backup by the
+  sanitizer (`hicache_checksum`, on for the whole suite): 0 mismatches, and loads happened
+  (upstream's `host_hit` prefill tokens > 0).
+- Tokens: the first token of every request is computed by the prefill alone (one sequence per
+  prefill batch here), which reads the prefix: from the host on the HiCache server, from the
+  device on the plain one. It must be the same token (or at a near tie the runner-up, within
+  one bf16 step: 1/32 at these magnitudes, 2 to 8), and the same top-5 within one bf16 step (a
+  candidate in one list only must be a near tie at the fifth place). Not bit-equal: the two
+  servers' pools differ in size and the CPU kernels' reduction order with them; round 0, where
+  neither server has anything cached, differs by about 0.016. A prefix page loaded wrong or
+  stale changes what the prefill attends to, not the last bit of a logit.
+- Later tokens are reported, not asserted: a decode batch pairs requests as they happen to meet,
+  and on this CPU that alone changes a greedy token after the first in some requests (the plain
+  server against itself: 2 of 12).
 
 bf16 against fp8 index keys is not an equality: fp8 keys (e4m3 values with one scale per 128)
 rank the c4 candidates differently once the top-k selects (past 2048 tokens). The overlap of
@@ -15,23 +31,15 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-from support.live import (
-    SERVER_ARGS,
-    env_for,
-    first_divergence,
-    full_suite_only,
-    generate,
-    prompt_ids,
-)
-
-# The offload comparison runs with SGLANG_DSV4_E2E_FULL=1: on the CPU upstream's DeepSeek-V4 host
-# pool pins its memory with cudaHostRegister, so the HiCache server does not start (README).
+from prometheus_client.parser import text_string_to_metric_families
+from support.live import SERVER_ARGS, env_for, generate, prompt_ids, sanitizer_counts
 
 PREFIX = 1024  # tokens of each shared prefix (4 pages of 256)
 PREFIXES = 4
-# Device pool: about two prefixes and the running requests' pages, not four prefixes (the pool
-# keeps whole pages of 256 and the SWA pool half as many tokens again).
-DEVICE_TOKENS = 5 * PREFIX
+RUNNING = 2
+# Device pool: the two running requests (1064 + 10 tokens: 5 pages each) and two pages more.
+DEVICE_TOKENS = 3072
+BF16_STEP = 1 / 32  # one bf16 step for values in [4, 8)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def hicache(fleet, tiny_model_dir):
     return fleet.server(
         tiny_model_dir, *SERVER_ARGS, "--enable-hierarchical-cache", "--hicache-ratio", "4",
         "--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.5",
-        "--max-running-requests", "4",
+        "--max-running-requests", str(RUNNING),
         name="hicache-bf16", env=env_for("bf16"))
 
 
@@ -52,28 +60,77 @@ def _workload():
     return rounds
 
 
-def _run(target, rounds) -> list[list[int]]:
+def _run(target, rounds) -> list[dict]:
     out = []
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(RUNNING) as pool:
         for prompts in rounds:
             # Two at a time: a prefix comes back from the host while another request decodes.
-            out += list(pool.map(lambda p: generate(target, p, max_new_tokens=10), prompts))
+            out += list(pool.map(
+                lambda p: generate(target, p, max_new_tokens=10, top_logprobs=5), prompts))
     return out
 
 
-@full_suite_only()
+def host_hit_tokens(target) -> float:
+    """Prompt tokens upstream served from the HiCache host pool (its `host_hit` prefill mode)."""
+    status, text = target.get("/metrics")
+    assert status == 200, f"/metrics answered HTTP {status}"
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "sglang:prefill_effective_tokens_total"
+        and sample.labels.get("mode") == "host_hit"
+    )
+
+
+def top_distance(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> float:
+    """How far apart two top-k lists of (token, logprob) are: the largest logprob difference of a
+    token in both, and for a token in one only (a near-tie at the k-th place), how far it lies
+    above the other list's k-th logprob."""
+    la, lb = dict(a), dict(b)
+    gaps = [abs(la[t] - lb[t]) for t in la.keys() & lb.keys()]
+    gaps += [max(0.0, la[t] - min(lb.values())) for t in la.keys() - lb.keys()]
+    gaps += [max(0.0, lb[t] - min(la.values())) for t in lb.keys() - la.keys()]
+    return max(gaps)
+
+
+def test_top_distance_reads_a_tie_at_the_boundary_as_close():
+    a = [(1, -1.0), (2, -2.0), (3, -3.0)]
+    assert top_distance(a, [(1, -1.01), (2, -2.0), (4, -3.0)]) == pytest.approx(0.01)
+    assert top_distance(a, [(1, -1.0), (2, -2.0), (4, -2.5)]) == pytest.approx(0.5)
+    assert top_distance(a, [(5, -0.5), (2, -2.0), (3, -3.0)]) == pytest.approx(2.5)
+
+
 def test_hicache_with_host_offload_gives_the_tokens_of_hicache_off(hicache, plain_bf16):
     rounds = _workload()
     plain_bf16.post("/flush_cache", {})
     hicache.post("/flush_cache", {})
     want = _run(plain_bf16, rounds)
+    hits_before = host_hit_tokens(hicache)
     got = _run(hicache, rounds)
-    for i, (a, b) in enumerate(zip(want, got, strict=True)):
-        assert first_divergence(a["ids"], b["ids"]) is None, f"request {i}: {a['ids']} {b['ids']}"
-    # The later rounds found their prefixes in the cache although the device could not hold all
-    # four: they came back from the host.
+
+    loaded = host_hit_tokens(hicache) - hits_before
     later = [r["cached"] for r in got[PREFIXES:]]
-    assert sum(c >= PREFIX // 2 for c in later) >= PREFIXES, later
+    print(f"\nHiCache: {loaded:.0f} prompt tokens loaded from the host; cached per later "
+          f"request {later}")
+    assert loaded >= PREFIX, "no prefix came back from the host: the test proves nothing"
+    counts = sanitizer_counts(hicache)
+    assert counts is not None and counts.get("hicache_checksum", 0) == 0, counts
+
+    worst, agreeing, total, flips = 0.0, 0, 0, 0
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a["ids"][0] != b["ids"][0]:  # only a near tie may flip it
+            top_a = dict(a["top"][0])
+            gap = abs(top_a[a["ids"][0]] - top_a.get(b["ids"][0], float("-inf")))
+            assert gap <= BF16_STEP, f"request {i}: first token {a['top'][0]} vs {b['top'][0]}"
+            flips += 1
+        worst = max(worst, top_distance(a["top"][0], b["top"][0]))
+        agreeing += sum(x == y for x, y in zip(a["ids"], b["ids"], strict=False))
+        total += len(a["ids"])
+    print(f"HiCache vs off: first tokens {len(got) - flips}/{len(got)} equal (the rest near "
+          f"ties), top-5 within {worst:.4f} (logprob); "
+          f"greedy tokens agreeing {agreeing}/{total}")
+    assert worst <= BF16_STEP, worst
 
 
 def test_bf16_against_fp8_index_keys_is_reported(plain, plain_bf16):

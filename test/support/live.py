@@ -281,9 +281,9 @@ POOL_ARGS = ("--max-total-tokens", "131072", "--swa-full-tokens-ratio", "0.25",
              "--max-running-requests", "64")
 
 
-# The differential tests that cannot run in every CI run yet (the README says why for each:
-# HiCache offload does not start on this machine's CPU, the 64 sessions need tens of minutes of
-# CPU prefill, the soak and the gate are not timed) run when this is set.
+# The differential tests that cannot run in every CI run yet (the README says why for each: the
+# 64 sessions need tens of minutes of CPU prefill, the soak and the gate are not timed) run when
+# this is set.
 FULL_ENV = "SGLANG_DSV4_E2E_FULL"
 
 

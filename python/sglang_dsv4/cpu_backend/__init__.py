@@ -35,7 +35,8 @@ SGLANG_DSV4_CPU_BACKEND=1 yourself turns it on for an in-process driver; 0 keeps
 SGLANG_DSV4_CPU_TRITON=1 (with SGLANG_DSV4_INDEX_K_DTYPE=bf16) also routes the bf16 index logits
 through the project's Triton kernel under the interpreter (`triton_hooks`), for tests; otherwise
 they take `sparse_attention.bf16_paged_mqa_logits` (`index_hooks`). A PD server's NIXL buffers
-are registered and moved as host memory (`nixl_hooks`).
+are registered and moved as host memory (`nixl_hooks`); a HiCache server's host pools are plain
+host memory and their pages move by torch copies (`hicache_hooks`).
 """
 
 from __future__ import annotations
@@ -161,6 +162,11 @@ def entries(argv: list[str] | None = None, environ=None) -> tuple:
     # PD: the NIXL manager's buffers are host memory (imported only by a PD server).
     entries.append(_entry("cpu-backend-nixl", "sglang_dsv4.cpu_backend.nixl_hooks",
                           ("sglang.srt.disaggregation.nixl.conn",)))
+    # HiCache: host pools without cudaHostRegister, pages moved by torch.
+    entries.append(_entry("cpu-backend-hicache", "sglang_dsv4.cpu_backend.hicache_hooks",
+                          ("sglang.srt.mem_cache.pool_host.base",
+                           "sglang.srt.mem_cache.pool_host.common",
+                           "sglang.srt.mem_cache.memory_pool_host")))
     return tuple(entries)
 
 
