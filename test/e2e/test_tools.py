@@ -26,15 +26,26 @@ def test_dsml_soak_runs_against_the_cpu_server(plain, tmp_path):
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads(out.read_text())
     print("dsml soak:", json.dumps({k: report[k] for k in list(report)[:8]}))
-    assert report["responses"] >= 4
+    # --turns is an upper bound: a session ends once its context reaches --target-context.
+    # Every request made got a reply, and each session made at least one.
+    assert report["requests"] >= 2 and report["responses"] == report["requests"], report
 
 
 def test_release_gate_runs_against_the_cpu_server(plain, tiny_model_dir, tmp_path):
+    # The gate compares throughput with a baseline of the build before: here the same server,
+    # measured by the throughput benchmark the gate names for it. Random token ids: the "random"
+    # dataset cuts ShareGPT text, which bench_serving downloads (no network here).
+    load = ["--concurrency", "2", "--num-prompts", "4", "--input-len", "64", "--output-len", "8",
+            "--dataset", "random-ids", "--tokenizer", str(tiny_model_dir)]
+    baseline = tmp_path / "baseline.json"
+    proc = _run(["benchmark.throughput", "--base-url", plain.url, *load,
+                 "--out-dir", str(tmp_path / "throughput"), "--json", str(baseline)])
+    assert baseline.exists(), proc.stderr[-3000:]
     out = tmp_path / "gate.json"
     proc = _run(["benchmark.release_gate", "--router", plain.url, "--decode", plain.url,
+                 "--baseline", str(baseline),
                  "--rounds", "1", "--sessions", "2", "--turns", "2", "--max-tokens", "16",
-                 "--concurrency", "2", "--num-prompts", "4", "--input-len", "64",
-                 "--output-len", "8", "--tokenizer", str(tiny_model_dir), "--require-sanitizer",
+                 *load, "--require-sanitizer",
                  "--out-dir", str(tmp_path / "gate"), "--json", str(out)])
     assert out.exists(), proc.stderr[-3000:]
     report = json.loads(out.read_text())
