@@ -327,12 +327,16 @@ def test_a_stage_budget_is_not_swallowed_by_a_per_config_handler(tmp_path):
     def launch(args, config):
         launched.append(config)
         if len(launched) == 1:
-            threading.Event().wait()  # the first config hangs past the stage's budget
+            # The first config hangs and the budget runs out during it: the stage's timer is
+            # re-armed to fire now, whatever the preparation before it took on this machine.
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            threading.Event().wait()
         return kit.kernels.torch_path(*args)
 
     kit.kernels.launch = launch
     kit.kernels.launch_candidates = lambda: [{"pages_per_step": p} for p in (1, 2, 4)]
-    stage = harness.Stage("launch_sweep", 2, "first config hangs", tuner.stage_launch_sweep)
+    # A budget no preparation reaches; `launch` ends it at the first config.
+    stage = harness.Stage("launch_sweep", 600, "first config hangs", tuner.stage_launch_sweep)
     rec = run_with_alarm(kit, stage)
     assert rec["status"] == "over budget (stopped)", rec
     assert len(launched) <= 1  # no config after the budget ran out
