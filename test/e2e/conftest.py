@@ -65,7 +65,7 @@ def sanitized_servers() -> list:
 @pytest.fixture(autouse=True)
 def _note_servers(request, sanitized_servers):
     yield
-    for name in ("plain", "plain_bf16", "pd", "hicache"):
+    for name in ("plain", "plain_bf16", "pd", "hicache", "hicache_off"):
         if name in request.fixturenames:
             server = request.getfixturevalue(name)
             targets = [server.prefill, server.decode] if hasattr(server, "decode") else [server]
