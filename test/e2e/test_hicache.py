@@ -18,7 +18,7 @@ What is compared, and the tolerance:
   a prefill cut otherwise sums in another order: that made an earlier form of this test fail.)
 - Later tokens are reported, not asserted: a decode batch pairs requests as they happen to meet,
   and on this CPU that alone changes a greedy token after the first in some requests (the plain
-  server against itself, two requests at a time: 2 of 12).
+  server against itself, two requests at a time: 3 of 12).
 
 bf16 against fp8 index keys is not an equality: fp8 keys (e4m3 values with one scale per 128)
 rank the c4 candidates differently once the top-k selects (past 2048 tokens). The overlap of
