@@ -10,12 +10,17 @@ What is compared, and the tolerance:
 - Bytes: every page a load brings back is digested against the digest taken at its backup by the
   sanitizer (`hicache_checksum`, on for the whole suite): 0 mismatches, and loads happened
   (upstream's `host_hit` prefill tokens > 0).
-- The first token of every request and its top-5 logprobs, equal to the bit. Both servers cut
+- The first token of every request (or, at a near tie, the runner-up within one bf16 step:
+  1/32 at these magnitudes, 4 to 8) and its top-5 logprobs within one bf16 step. Both servers cut
   every prefill into chunks of one page (--chunked-prefill-size 256), so the last chunk of a
-  prompt (its 40 own tokens) is computed the same way whether the 1024-token prefix before it was
-  just computed, found on the device or loaded from the host: only the prefix's bytes could make
-  it differ. (Without fixed chunks the scheduler cuts a chunk to the free pool at that moment, and
-  a prefill cut otherwise sums in another order: that made an earlier form of this test fail.)
+  prompt (its 40 own tokens) is computed the same way whether its 1024-token prefix was just
+  computed, found on the device or loaded from the host. (Without fixed chunks the scheduler cuts
+  a chunk to the free pool at that moment, and a prefill cut otherwise sums in another order.)
+  Not to the bit: even then the first round, where neither server has anything cached, differed
+  by one bf16 step in two of the top-5 (0.0151 at -4.78), so something besides the prefix's bytes
+  (where the pages lie, and the order the CPU kernels sum them in with it) moves the last bit. A
+  prefix page loaded wrong or stale changes what the prefill attends to, not the last bit of a
+  logit; the bytes themselves are checked above.
 - Later tokens are reported, not asserted: a decode batch pairs requests as they happen to meet,
   and on this CPU that alone changes a greedy token after the first in some requests (the plain
   server against itself, two requests at a time: 3 of 12).
@@ -34,7 +39,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.live import (
     SERVER_ARGS,
     env_for,
-    full_suite_only,
     generate,
     prompt_ids,
     sanitizer_counts,
@@ -61,6 +65,27 @@ def hicache(fleet, tiny_model_dir):
 def hicache_off(fleet, tiny_model_dir):
     return fleet.server(tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS, name="hicache-off-bf16",
                         env=env_for("bf16"))
+
+
+BF16_STEP = 1 / 32  # one bf16 step for values in [4, 8)
+
+
+def top_distance(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> float:
+    """How far apart two top-k lists of (token, logprob) are: the largest logprob difference of a
+    token in both, and for a token in one only (a near-tie at the k-th place), how far it lies
+    above the other list's k-th logprob."""
+    la, lb = dict(a), dict(b)
+    gaps = [abs(la[t] - lb[t]) for t in la.keys() & lb.keys()]
+    gaps += [max(0.0, la[t] - min(lb.values())) for t in la.keys() - lb.keys()]
+    gaps += [max(0.0, lb[t] - min(la.values())) for t in lb.keys() - la.keys()]
+    return max(gaps)
+
+
+def test_top_distance_reads_a_tie_at_the_boundary_as_close():
+    a = [(1, -1.0), (2, -2.0), (3, -3.0)]
+    assert top_distance(a, [(1, -1.01), (2, -2.0), (4, -3.0)]) == pytest.approx(0.01)
+    assert top_distance(a, [(1, -1.0), (2, -2.0), (4, -2.5)]) == pytest.approx(0.5)
+    assert top_distance(a, [(5, -0.5), (2, -2.0), (3, -3.0)]) == pytest.approx(2.5)
 
 
 def _workload():
@@ -95,8 +120,6 @@ def host_hit_tokens(target) -> float:
     )
 
 
-# With SGLANG_DSV4_E2E_FULL=1 only until it has passed alone and in the whole suite (README).
-@full_suite_only()
 def test_hicache_with_host_offload_gives_the_tokens_of_hicache_off(hicache, hicache_off):
     rounds = _workload()
     want = _run(hicache_off, rounds)
@@ -111,13 +134,19 @@ def test_hicache_with_host_offload_gives_the_tokens_of_hicache_off(hicache, hica
     counts = sanitizer_counts(hicache)
     assert counts is not None and counts.get("hicache_checksum", 0) == 0, counts
 
-    agreeing, total = 0, 0
+    worst, agreeing, total, flips = 0.0, 0, 0, 0
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
-        assert a["top"][0] == b["top"][0], f"request {i}: first step {a['top'][0]} vs {b['top'][0]}"
+        if a["ids"][0] != b["ids"][0]:  # only a near tie may flip it
+            top_a = dict(a["top"][0])
+            gap = abs(top_a[a["ids"][0]] - top_a.get(b["ids"][0], float("-inf")))
+            assert gap <= BF16_STEP, f"request {i}: first token {a['top'][0]} vs {b['top'][0]}"
+            flips += 1
+        worst = max(worst, top_distance(a["top"][0], b["top"][0]))
         agreeing += sum(x == y for x, y in zip(a["ids"], b["ids"], strict=False))
         total += len(a["ids"])
-    print(f"HiCache vs off: first token and its top-5 logprobs equal to the bit in {len(got)} of "
-          f"{len(got)} requests; greedy tokens agreeing {agreeing}/{total}")
+    print(f"HiCache vs off: first tokens {len(got) - flips}/{len(got)} equal (the rest near "
+          f"ties), top-5 within {worst:.4f} (logprob); greedy tokens agreeing {agreeing}/{total}")
+    assert worst <= BF16_STEP, worst
 
 
 def test_bf16_against_fp8_index_keys_is_reported(plain, plain_bf16):
