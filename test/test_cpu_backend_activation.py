@@ -49,7 +49,9 @@ def test_entries_set_upstream_switches_and_record_the_decision(dsv4_dir):
     entry, index, nixl, hicache = cpu_backend.entries(argv, environ)
     assert index.id == "cpu-backend-index"
     assert nixl.id == "cpu-backend-nixl"
-    assert nixl.upstream_modules == ("sglang.srt.disaggregation.nixl.conn",)
+    assert nixl.upstream_modules == (
+        "sglang.srt.disaggregation.nixl.conn", "sglang.srt.disaggregation.prefill"
+    )
     assert hicache.id == "cpu-backend-hicache"
     assert hicache.upstream_modules == (
         "sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.pool_host.common",

@@ -128,3 +128,46 @@ def test_a_cpu_server_installs_the_hook_through_upstreams_registry(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"status": "applied", "wrapped": True, "kv_descs": 1}
+
+
+def _early_send_case():
+    """A CPU prefill scheduler with overlap on and a request whose first 512 tokens (two pages)
+    were found in its radix cache. Stand-ins, and why: the scheduler and the request carry only
+    what the mixin's method reads (a real scheduler needs a model and its processes); the
+    forward stream is the one upstream's ModelRunner makes on this device."""
+    from types import SimpleNamespace
+
+    sent = []
+    scheduler = SimpleNamespace(
+        enable_overlap=True,
+        enable_staging=False,
+        forward_stream=torch.get_device_module("cpu").Stream(),
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=256),
+        send_kv_chunk=lambda req, last_chunk=False, end_idx=None: sent.append((last_chunk, end_idx)),
+    )
+    req = SimpleNamespace(
+        pending_bootstrap=False, prefix_len=512, host_hit_length=0, start_send_idx=0,
+        early_send_prefix_end=None, disagg_kv_sender=SimpleNamespace(_early_send_wait_event=None),
+    )
+    return scheduler, req, sent
+
+
+def test_a_cpu_prefill_sends_a_cached_prefix_early_without_a_cuda_event():
+    """Upstream records a torch.cuda.Event on the forward stream before the early send; on the
+    CPU that raises (a PD prefill server's scheduler died of it on a retried prompt). Through
+    the CPU backend the prefix is sent (up to the cached end, not as the last chunk), with no
+    event to wait for, and the scheduler's overlap setting is as it was."""
+    from sglang.srt.environ import envs
+
+    assert envs.SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX.get()  # upstream's default: on
+    scheduler, req, sent = _early_send_case()
+    upstream = nixl_hooks._UPSTREAM["maybe_send_cached_prefix_chunk"]
+    with pytest.raises(RuntimeError, match="stream"):
+        upstream(scheduler, req)
+    assert sent == []
+
+    scheduler, req, sent = _early_send_case()
+    nixl_hooks.maybe_send_cached_prefix_chunk(scheduler, req)
+    assert sent == [(False, 512)]
+    assert req.disagg_kv_sender._early_send_wait_event is None
+    assert scheduler.enable_overlap is True

@@ -35,7 +35,8 @@ SGLANG_DSV4_CPU_BACKEND=1 yourself turns it on for an in-process driver; 0 keeps
 SGLANG_DSV4_CPU_TRITON=1 (with SGLANG_DSV4_INDEX_K_DTYPE=bf16) also routes the bf16 index logits
 through the project's Triton kernel under the interpreter (`triton_hooks`), for tests; otherwise
 they take `sparse_attention.bf16_paged_mqa_logits` (`index_hooks`). A PD server's NIXL buffers
-are registered and moved as host memory (`nixl_hooks`); a HiCache server's host pools are plain
+are registered and moved as host memory, and a prefill's early send of a cached prefix records no
+CUDA event (`nixl_hooks`); a HiCache server's host pools are plain
 host memory and their pages move by torch copies (`hicache_hooks`).
 """
 
@@ -161,7 +162,8 @@ def entries(argv: list[str] | None = None, environ=None) -> tuple:
                               ("sgl_kernel_dsv4.index_logits",)))
     # PD: the NIXL manager's buffers are host memory (imported only by a PD server).
     entries.append(_entry("cpu-backend-nixl", "sglang_dsv4.cpu_backend.nixl_hooks",
-                          ("sglang.srt.disaggregation.nixl.conn",)))
+                          ("sglang.srt.disaggregation.nixl.conn",
+                           "sglang.srt.disaggregation.prefill")))
     # HiCache: host pools without cudaHostRegister, pages moved by torch.
     entries.append(_entry("cpu-backend-hicache", "sglang_dsv4.cpu_backend.hicache_hooks",
                           ("sglang.srt.mem_cache.pool_host.base",

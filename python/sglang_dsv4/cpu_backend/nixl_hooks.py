@@ -9,23 +9,37 @@ manager's agent is wrapped, once, before upstream registers anything: each call 
 memory kind (register_memory, get_reg_descs, get_xfer_descs, get_remote_descs,
 prep_xfer_dlist) has VRAM read as DRAM, device 0. The bytes moved, the descriptors' addresses
 and lengths, and upstream's transfer logic are untouched.
+
+A CPU prefill also sends a radix-cached prefix early (SchedulerDisaggregationPrefillMixin.
+maybe_send_cached_prefix_chunk) without the CUDA event upstream records for it under overlap
+scheduling: torch.cuda.Event cannot record a CPU stream, and the scheduler died of it on the
+first prompt a PD prefill found in its cache (a request the router retried). The event makes the
+transfer wait for the previous forward's writes on the GPU stream; a CPU forward has written
+them when it returns, so there is nothing to wait for.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
 from sglang_dsv4.fix import Fix, Replace
 
 ID = "cpu-backend-nixl"
 MODULE = "sglang.srt.disaggregation.nixl.conn"
 _MANAGER = f"{MODULE}.NixlKVManager"
+_PREFILL = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
 
 # Upstream's own method, kept before the hook replaces it: the hook adds the wrapping and runs it.
 # In a dict, not a module attribute: upstream's HookRegistry rebinds every module attribute that
 # still names a replaced function (`_propagate_patch`), which would make the hook call itself.
-_UPSTREAM = {"register_buffer_to_engine": NixlKVManager.register_buffer_to_engine}
+_UPSTREAM = {
+    "register_buffer_to_engine": NixlKVManager.register_buffer_to_engine,
+    "maybe_send_cached_prefix_chunk": (
+        SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk
+    ),
+}
 
 
 def host_descs(descs):
@@ -80,17 +94,38 @@ def register_buffer_to_engine(self):
     return _UPSTREAM["register_buffer_to_engine"](self)
 
 
+def maybe_send_cached_prefix_chunk(self, req, allow_send=True):
+    """Upstream's early send of a cached prefix, without its CUDA completion event: the
+    scheduler runs it as a non-overlap one would (see the module's docstring)."""
+    overlap = self.enable_overlap
+    self.enable_overlap = False  # read by that call alone, on this (the scheduler's) thread
+    try:
+        return _UPSTREAM["maybe_send_cached_prefix_chunk"](self, req, allow_send)
+    finally:
+        self.enable_overlap = overlap
+
+
 FIX = Fix(
     id=ID,
-    title="CPU backend: NIXL registers and moves a CPU server's buffers as host memory",
+    title="CPU backend: NIXL registers and moves a CPU server's buffers as host memory; a CPU "
+    "prefill sends a cached prefix early without a CUDA event",
     area="cpu",
     why=(
         "Upstream registers KV, state and transfer descriptors as VRAM; UCX refuses host "
-        "buffers as VRAM, so a --device cpu prefill or decode cannot start."
+        "buffers as VRAM, so a --device cpu prefill or decode cannot start. A PD prefill "
+        "records a CUDA event to send a cached prefix early: on the CPU its scheduler dies."
     ),
-    how="The manager's agent reads VRAM as DRAM (device 0) in every call that names a kind.",
+    how="The manager's agent reads VRAM as DRAM (device 0) in every call that names a kind; "
+    "the early send runs as without overlap scheduling (a CPU forward is done when it returns).",
     upstream="not for upstream: development and tests only",
     remove_when="never: it is how PD runs without a GPU",
-    targets=(f"{_MANAGER}.register_buffer_to_engine",),
-    replaces=(Replace(f"{_MANAGER}.register_buffer_to_engine", register_buffer_to_engine, "(self)"),),
+    targets=(f"{_MANAGER}.register_buffer_to_engine", f"{_PREFILL}.maybe_send_cached_prefix_chunk"),
+    replaces=(
+        Replace(f"{_MANAGER}.register_buffer_to_engine", register_buffer_to_engine, "(self)"),
+        Replace(
+            f"{_PREFILL}.maybe_send_cached_prefix_chunk",
+            maybe_send_cached_prefix_chunk,
+            "(self, req, allow_send=True)",
+        ),
+    ),
 )
