@@ -199,7 +199,7 @@ def test_hooks_in_a_server_process_catch_faults():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT ") :])
-    assert out["status"]["on"] and out["status"]["hooks"] == 34
+    assert out["status"]["on"] and out["status"]["hooks"] == 35
     assert out["counters_at_start"] == dict.fromkeys(sanitizer.KINDS, 0.0)
     assert out["status"]["summary"].endswith("sample 0.5, action abort)")
     assert out["clean"] == {}

@@ -39,6 +39,7 @@ from support.nixl import (
     new_room,
     pool_manager,
 )
+from support.sanitizer import make_server
 
 PAGE = 256
 
@@ -211,3 +212,61 @@ def test_a_sanitized_decode_of_an_unsanitized_prefill_checks_nothing(monkeypatch
     assert PD_DIGEST_TAG not in frames
     assert parsed == (room, KVPoll.Success, 0, None)
     assert decode_san.violations == []
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["nothing-writes", "late-transfer"])
+def test_a_write_into_the_freed_pages_of_a_failed_room_is_late_write(monkeypatch, pools, late):
+    """The slots a decode gave up, written by a prefill that did not hear of it: the room fails
+    on the decode (its prefill declared dead, say), its pages are freed (poisoned), and the
+    prefill's transfer lands anyway. The write is real (send_kvcache over UCX into the decode's
+    registered pages); a prefill transferring after the failure is the fault played here (the
+    nixl-bootstrap-cascade fix is what keeps a real one from doing it). The decode's next
+    allocation finds the bytes and names the room; with nothing written it reports nothing."""
+    fill_random(pools["prefill"], seed=23)
+    prefill = manager(DisaggregationMode.PREFILL, pools["prefill"])
+    decode = manager(DisaggregationMode.DECODE, pools["decode"])
+    srv = make_server(pools["decode"], monkeypatch)  # poisons every decode page
+    san = srv.san
+    san.watch_pool(pools["decode"])
+    hook_after(monkeypatch, san, *DECODE_HOOKS, f"{sanitizer.hooks._COMMON_MANAGER}.update_status")
+
+    slots = srv.alloc.alloc(2 * PAGE)
+    san.on_alloc(srv.alloc, slots)
+    pages = sorted(set((slots // PAGE).tolist()))
+    peer = KVArgsRegisterInfo.from_zmq(decode.build_receiver_registration_message()[1:])
+    prefill._add_remote_peer(peer)
+    room = new_room()
+    for mgr in (prefill, decode):
+        mgr.update_status(room, KVPoll.Bootstrapping)
+        mgr.update_status(room, KVPoll.WaitingForInput)
+    message = decode.build_receiver_metadata_message(
+        bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(pages, np.int32),
+        aux_index=0, state_indices=None, decode_prefix_len=0, is_dummy=False,
+    )
+    info = TransferInfo.from_zmq(message[1:])
+    decode.record_failure(room, "Lost connection with prefill instance")
+    decode.update_status(room, KVPoll.Failed)
+    srv.alloc.free(slots)  # the quarantine is over: the slots go back to the free list
+    assert set(san.late_watch) == set(pages)
+
+    if late:
+        handle = prefill.send_kvcache(
+            info.agent_name, np.asarray([1, 2], np.int32), peer.dst_kv_ptrs,
+            info.dst_kv_indices, peer.gpu_id, dst_mem_kind=peer.dst_homogeneous_mem_kind,
+        )
+        deadline = time.monotonic() + 20
+        while (state := prefill.agent.check_xfer_state(handle)) == "PROC":
+            assert time.monotonic() < deadline, "NIXL transfer did not finish"
+            time.sleep(0.001)
+        assert state == "DONE", state
+
+    again = srv.alloc.alloc(PAGE)
+    san.on_alloc(srv.alloc, again)
+    if not late:
+        assert san.violations == []
+        assert set(san.late_watch) == set(pages) - set((again // PAGE).tolist())
+        return
+    assert [(v.kind, v.request, v.page) for v in san.violations] == [
+        ("late_write", f"room {room}", page) for page in pages
+    ]
+    assert san.counts["late_write"] == len(pages) and not san.late_watch

@@ -29,6 +29,7 @@ SANITIZER_KINDS = (
     "padded_write",
     "early_free",
     "hicache_checksum",
+    "late_write",
 )
 
 # nixl-bootstrap-cascade: the NIXL connector's control threads, by thread role and event.

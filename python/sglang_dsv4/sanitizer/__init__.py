@@ -70,6 +70,12 @@ What is checked, where, and what it costs (hooks through upstream's HookRegistry
     `pd_checksum` naming the room, layer and page. With ACTION=abort the parsed status becomes
     Failed with the violation as its reason, so upstream's apply_prefill_status fails the room
     and the request is aborted with that line before it decodes.
+  - Decode, CommonKVManager.update_status (after): a room that fails is remembered with its
+    pages; when they are freed (poisoned) they are watched, and every allocation first checks
+    that each watched page still holds its poison in every poisoned buffer: a byte changed is
+    `late_write` naming the room and page (a prefill that transferred into slots its decode
+    gave up). Pages handed out leave the watch; at most 8192 are watched. Cost: nothing until a
+    room fails, then one compare of the watched pages per allocation.
   A prefill without the sanitizer sends no digests: nothing is checked. A prefill whose pool
   has other buffers (a pipeline stage) is not checked (one warning line). Cost: one digest pass
   over the room's pages on each side (benchmark/sanitizer_cost.py: about 10x copying them) and

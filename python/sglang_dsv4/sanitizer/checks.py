@@ -148,6 +148,8 @@ class Sanitizer(OwnershipChecks, TransferChecks, HostMirrorChecks):
         ledger = self.track(allocator)
         keep = set(_pages(continuing, ledger.page_size)) if continuing is not None else set()
         new = [p for p in _pages(out_indices, ledger.page_size) if p not in keep]
+        if ledger.kvcache is not None:
+            self.check_late_writes(ledger.kvcache, new)
         if not new:
             return
         ledger.grow_to(max(new))
@@ -181,6 +183,8 @@ class Sanitizer(OwnershipChecks, TransferChecks, HostMirrorChecks):
         for held in self.row_pages.values():
             held.difference_update(pages)
         self.poison(ledger, pages)
+        if ledger.kvcache is not None and self.failed_rooms:
+            self.watch_freed(pages)
 
     @staticmethod
     def poison(ledger: PageLedger, pages: list[int]) -> None:

@@ -221,6 +221,13 @@ def after_parse_status(san, result, self, msg):
     return None
 
 
+def after_update_status(san, result, self, bootstrap_room, status):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if status == KVPoll.Failed:
+        san.on_room_failed(bootstrap_room)
+
+
 def after_host_backup(san, result, self, *args, **kwargs):
     a = _args(f"{_HOST_POOL}.backup_from_device_all_layer", self, args, kwargs)
     san.on_host_backup(self, a["host_indices"], a["device_indices"])
@@ -284,6 +291,7 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(f"{_NIXL_MANAGER}.build_receiver_metadata_message", "AFTER", after_metadata_message),
     Hook(f"{_COMMON_MANAGER}.parse_kv_status_message", "AFTER", after_parse_status, guarded=False),
+    Hook(f"{_COMMON_MANAGER}.update_status", "AFTER", after_update_status),
     Hook(f"{_HOST_POOL}.backup_from_device_all_layer", "AFTER", after_host_backup),
     Hook(f"{_HOST_POOL}.load_to_device_per_layer", "AFTER", after_host_load),
     Hook(f"{_HOST_POOL}.free", "AFTER", after_host_free),

@@ -1,7 +1,10 @@
 """PD transfer checks (NIXL): a prefill digests each chunk's pages as it is queued and sends the
 room's digests on its Success status; the decode digests the room's own pages again when that
 status arrives, before the room can read Success, and compares (one `pd_checksum` per changed
-page). See digest.py for the digest and the frames."""
+page). A decode room that fails is watched past its end: once its pages are freed (and poisoned)
+nothing may write them until they are handed out again, and a byte that changed meanwhile (a
+prefill that transferred into slots its decode gave up) is `late_write`. See digest.py for the
+digest and the frames."""
 
 from __future__ import annotations
 
@@ -21,13 +24,15 @@ from sglang_dsv4.sanitizer.digest import (
     page_buffer_table,
     page_buffers,
     page_checksums,
+    poison_buffers,
     state_checksums,
 )
-from sglang_dsv4.sanitizer.ledger import Violation
+from sglang_dsv4.sanitizer.ledger import POISON_BYTE, Violation
 
 logger = logging.getLogger("sglang_dsv4.sanitizer")
 
 _KEEP_ROOMS = 1024  # rooms whose digests / pages are kept (a room cleared unconcluded ages out)
+_WATCH_PAGES = 8192  # freed pages of failed rooms watched for a late write (the oldest go first)
 
 
 class TransferChecks:
@@ -39,6 +44,9 @@ class TransferChecks:
         self.room_pages: OrderedDict[int, np.ndarray] = OrderedDict()  # decode: room -> pages
         self.sent_states: OrderedDict[int, list] = OrderedDict()  # prefill: room -> digests
         self.room_states: OrderedDict[int, list] = OrderedDict()  # decode: room -> state items
+        # decode: a failed room -> its pages not freed yet; a freed page of one -> its room
+        self.failed_rooms: OrderedDict[int, set[int]] = OrderedDict()
+        self.late_watch: OrderedDict[int, int] = OrderedDict()
 
     def verify_page_checksums(
         self, pool, pages, expected: torch.Tensor, request: str | None = None
@@ -141,6 +149,64 @@ class TransferChecks:
                     )
                 )
         return len(self.violations) - before
+
+    def on_room_failed(self, room: int) -> None:
+        """Decode: a room this decode opened failed. Its pages may still be written by a prefill
+        that has not heard (the quarantine holds them until it is safe); once they are freed,
+        nothing may write them."""
+        pages = self.room_pages.get(room)
+        if pages is not None:
+            self._remember(self.failed_rooms, room, {int(p) for p in pages if p > 0})
+
+    def watch_freed(self, pages: list[int]) -> None:
+        """Decode: pages just freed (and poisoned); those of a failed room are watched."""
+        freed = set(pages)
+        for room, held in list(self.failed_rooms.items()):
+            watched = held & freed
+            for page in watched:
+                self.late_watch[page] = room
+                self.late_watch.move_to_end(page)
+            if watched:
+                logger.info(
+                    "sanitizer: %d freed pages of failed room %s watched for a late write",
+                    len(watched),
+                    room,
+                )
+            held -= freed
+            if not held:
+                del self.failed_rooms[room]
+        while len(self.late_watch) > _WATCH_PAGES:
+            self.late_watch.popitem(last=False)
+
+    def check_late_writes(self, kvcache, handed_out: list[int]) -> int:
+        """Decode, on every allocation: each watched page must still hold the poison it was
+        freed with, in every buffer poisoned; a page that changed is `late_write` naming its
+        room. Pages handed out now leave the watch (their new owner writes them)."""
+        if not self.late_watch:
+            return 0
+        pages = list(self.late_watch)
+        changed = torch.zeros(len(pages), dtype=torch.int64)
+        for buffer in poison_buffers(kvcache):
+            rows = buffer.index_select(0, torch.tensor(pages, device=buffer.device))
+            changed += (rows != POISON_BYTE).sum(dim=1).cpu()
+        found = 0
+        for page, count in zip(pages, changed.tolist(), strict=True):
+            if count:
+                room = self.late_watch.pop(page)
+                self.report(
+                    Violation(
+                        "late_write",
+                        request=f"room {room}",
+                        page=page,
+                        expected="the poison it was freed with (its PD room failed; nothing "
+                        "may write it until it is handed out again)",
+                        found=f"{count} bytes written while free",
+                    )
+                )
+                found += 1
+        for page in handed_out:
+            self.late_watch.pop(page, None)
+        return found
 
     def check_arrival(self, room: int, frames: list[bytes]) -> str | None:
         """Decode, on the room's Success status: the digest frames (from PD_DIGEST_TAG on) against
