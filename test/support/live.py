@@ -34,7 +34,7 @@ STOP_GRACE_S = 20.0
 
 # What every CPU server of the suite shares: loopback only, no CUDA graphs or warm-up stand-ins,
 # a small pool so the suite's prefixes compete for it.
-BASE_ARGS = ["--device", "cpu", "--host", "127.0.0.1", "--log-level", "info"]
+BASE_ARGS = ["--device", "cpu", "--log-level", "info"]  # --host: Fleet.server
 
 
 def free_port() -> int:
@@ -81,10 +81,11 @@ class Proc:
     port: int
     env: dict = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    host: str = "127.0.0.1"  # where this host reaches it
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def launch(self) -> Proc:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -223,31 +224,47 @@ class Fleet:
             self.procs.pop().stop()
 
     def _start(self, name: str, command: list[str], port: int, env: dict | None,
-               ready: tuple[str, ...]) -> Proc:
-        proc = Proc(name, command, self.workdir / f"{name}.log", port, env or {})
+               ready: tuple[str, ...], host: str = "127.0.0.1") -> Proc:
+        proc = Proc(name, command, self.workdir / f"{name}.log", port, env or {}, host=host)
         self.procs.append(proc)
         proc.launch()
         proc.wait_ready(ready)
         return proc
 
     def server(self, model_dir: Path | str, *args: str, name: str = "server",
-               env: dict | None = None, generate_check: bool = True) -> Proc:
+               env: dict | None = None, generate_check: bool = True, guest=None,
+               host: str = "127.0.0.1") -> Proc:
+        """A server on this host (listening on `host`), or on `guest` (support.netns.GuestHost,
+        listening on its address)."""
         port = free_port()
+        if guest is not None:
+            host = guest.address
         command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-                   "--port", str(port), *BASE_ARGS, *args]
+                   "--port", str(port), *BASE_ARGS, *args, "--host", host]
+        if guest is not None:
+            command = guest.command(command)
         ready = ("/health", "/health_generate") if generate_check else ("/health",)
-        return self._start(name, command, port, env, ready)
+        return self._start(name, command, port, env, ready, host=host)
 
     def pd(self, model_dir: Path | str, *args: str, env: dict | None = None,
-           transfer_backend: str = "nixl", name: str = "pd") -> PD:
-        """A prefill server, a decode server and sglang_router in PD mode, on loopback."""
+           transfer_backend: str = "nixl", name: str = "pd", decode_guest=None) -> PD:
+        """A prefill server, a decode server and sglang_router in PD mode, on loopback; with
+        `decode_guest` (support.netns.GuestHost) the decode runs there, and the prefill listens
+        on the address it advertises to its peers (upstream's get_local_ip_auto)."""
         bootstrap = free_port()
         common = ["--disaggregation-transfer-backend", transfer_backend, *args]
+        prefill_host = "127.0.0.1"
+        if decode_guest is not None:
+            from sglang.srt.utils.network import get_local_ip_auto
+
+            prefill_host = get_local_ip_auto()
         prefill = self.server(model_dir, "--disaggregation-mode", "prefill",
                               "--disaggregation-bootstrap-port", str(bootstrap), *common,
-                              name=f"{name}-prefill", env=env, generate_check=False)
+                              name=f"{name}-prefill", env=env, generate_check=False,
+                              host=prefill_host)
         decode = self.server(model_dir, "--disaggregation-mode", "decode", *common,
-                             name=f"{name}-decode", env=env, generate_check=False)
+                             name=f"{name}-decode", env=env, generate_check=False,
+                             guest=decode_guest)
         port = free_port()
         router = self._start(
             f"{name}-router",

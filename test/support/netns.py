@@ -113,3 +113,64 @@ class TwoHosts:
     def exists(self) -> bool:
         listed = _ip("netns", "list", check=False).stdout
         return any(name in listed for name in self.names.values())
+
+
+class GuestHost:
+    """A second host joined to this one: one network namespace whose only way out is a veth pair
+    to this host's namespace (its default route), so a process in it reaches every address of
+    this host and this host reaches it at `address`.
+
+        with GuestHost() as guest:
+            guest.command([sys.executable, ...])  # argv that runs on the guest (ip netns exec)
+            guest.cut(); guest.restore()          # this host's end of the link down / up
+
+    `cut` takes down this host's end only: packets are lost, no connection is reset, and the
+    guest keeps its routes, so `restore` brings everything back. Processes are the caller's to
+    stop; `close` deletes the namespace (and the veth pair with it).
+    """
+
+    def __init__(self):
+        n = next(_serial)
+        tag = f"{os.getpid() % 100000}x{n}"
+        self.name, self.link, self.peer = f"pdg{tag}", f"vpg{tag}", f"vph{tag}"
+        subnet = (os.getpid() + n) % 250 + 1
+        self.gateway, self.address = f"10.238.{subnet}.1", f"10.238.{subnet}.2"
+        self._made = False
+        try:
+            _ip("netns", "add", self.name)
+            self._made = True
+            _ip("link", "add", self.link, "type", "veth", "peer", "name", self.peer)
+            _ip("link", "set", self.peer, "netns", self.name)
+            _ip("addr", "add", f"{self.gateway}/30", "dev", self.link)
+            _ip("link", "set", self.link, "up")
+            _ip("-n", self.name, "addr", "add", f"{self.address}/30", "dev", self.peer)
+            _ip("-n", self.name, "link", "set", self.peer, "up")
+            _ip("-n", self.name, "link", "set", "lo", "up")
+            _ip("-n", self.name, "route", "add", "default", "via", self.gateway)
+        except Exception:
+            self.close()
+            raise
+
+    def __enter__(self) -> GuestHost:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def command(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def cut(self) -> None:
+        _ip("link", "set", self.link, "down")
+
+    def restore(self) -> None:
+        _ip("link", "set", self.link, "up")
+
+    def close(self) -> None:
+        _ip("link", "del", self.link, check=False)
+        if self._made:
+            _ip("netns", "del", self.name, check=False)
+            self._made = False
+
+    def exists(self) -> bool:
+        return self.name in _ip("netns", "list", check=False).stdout
