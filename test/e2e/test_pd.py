@@ -22,7 +22,6 @@ from support.hold_prefill import HELD_LINE
 from support.live import (
     POOL_ARGS,
     SERVER_ARGS,
-    Proc,
     env_for,
     first_divergence,
     generate,
@@ -74,40 +73,31 @@ RELEASED_DEAD = "was declared dead after"
 WATCHED = "watched for a late write"
 
 
-def _wait_log(proc: Proc, mark: int, needle: str, timeout: float) -> str:
-    """The log written since byte `mark`, once it holds `needle` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while needle not in (text := proc.log.read_bytes()[mark:].decode("utf-8", "replace")):
-        assert proc.alive(), f"{proc.name} exited:\n{proc.tail()}"
-        assert time.monotonic() < deadline, f"{proc.name}: no {needle!r} in {timeout:.0f} s"
-        time.sleep(0.05)
-    return text
-
 
 def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, plain):
     """Issue #23's canary, through real servers. The prefill server (every process of it) is
     stopped with SIGSTOP in a request's prefill forward (held there by a test hook, so the stop
-    lands after the decode sent the room's slots and before any KV was written). The decode's heartbeat declares it
-    dead, fails the room and, the prefill being dead, lets the room's KV slots out of the
-    quarantine; the sanitizer poisons them as they are freed and watches them. SIGCONT: the
-    prefill finishes that forward and must not transfer into the slots (it reads the decode's
-    failure first). The next request's allocation checks every watched page still holds its
-    poison (`late_write`), and the pair serves it with the plain server's tokens. (The router
-    retries the failed request: the retry, its prompt now cached on the prefill, is served, and
-    its allocation on the decode is the first check.)
+    lands after the decode sent the room's slots and before any KV was written). The decode's
+    heartbeat declares it dead, fails the room and, the prefill being dead, lets the room's KV
+    slots out of the quarantine; the sanitizer poisons them as they are freed and watches them.
+    SIGCONT: the prefill finishes that forward and must not transfer into the slots (it reads
+    the decode's failure first). The next request's allocation checks every watched page still
+    holds its poison (`late_write`), and the pair serves it with the plain server's tokens. (The
+    router retries the failed request: the retry, its prompt now cached on the prefill, is
+    served, and its allocation on the decode is the first check.)
 
     Runs last in this module: the pair it leaves must serve again (asserted here)."""
     prefill, decode = pd.prefill, pd.decode
     p_mark, d_mark = prefill.log.stat().st_size, decode.log.stat().st_size
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         doomed = pool.submit(generate, pd, prompt_ids(seed=160, length=HELD_TOKENS), 8)
-        _wait_log(prefill, p_mark, HELD_LINE, 300)  # its forward holds for 20 s from here
+        prefill.wait_log(p_mark, HELD_LINE, 300)  # its forward holds for 20 s from here
         os.killpg(prefill.popen.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         try:
-            text = _wait_log(decode, d_mark, RELEASED_DEAD, 120)
+            text = decode.wait_log(d_mark, RELEASED_DEAD, 120)
             t_released = time.monotonic() - t0
-            text = _wait_log(decode, d_mark, WATCHED, 30)
+            text = decode.wait_log(d_mark, WATCHED, 30)
         finally:
             os.killpg(prefill.popen.pid, signal.SIGCONT)
         try:
@@ -117,8 +107,8 @@ def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, pl
     lines = [line for line in text.splitlines() if RELEASED_DEAD in line or WATCHED in line]
     (room,) = set(re.findall(r"KV slots of failed room (\d+)", text))
     # The prefill, woken, failed that room rather than transferring into the slots.
-    refused = [line for line in prefill.log.read_bytes()[p_mark:].decode("utf-8", "replace")
-               .splitlines() if f"bootstrap_room={room}" in line]
+    refused = [line for line in prefill.log_since(p_mark).splitlines()
+               if f"bootstrap_room={room}" in line]
     print(f"\nSIGSTOP prefill mid-prefill: the decode released room {room}'s slots after "
           f"{t_released:.1f} s\n  " + "\n  ".join(lines + refused)
           + f"\n  the request (the router retries it): {outcome}")

@@ -25,7 +25,6 @@ from support.hold_prefill import HELD_LINE
 from support.live import (
     POOL_ARGS,
     SERVER_ARGS,
-    Proc,
     env_for,
     first_divergence,
     generate,
@@ -61,17 +60,6 @@ def split(fleet, tiny_model_dir, guest):
         proc.stop()
 
 
-def _log_since(proc: Proc, mark: int) -> str:
-    return proc.log.read_bytes()[mark:].decode("utf-8", "replace")
-
-
-def _wait_log(proc: Proc, mark: int, needle: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while needle not in (text := _log_since(proc, mark)):
-        assert proc.alive(), f"{proc.name} exited:\n{proc.tail()}"
-        assert time.monotonic() < deadline, f"{proc.name}: no {needle!r} in {timeout:.0f} s"
-        time.sleep(0.05)
-    return text
 
 
 def test_a_link_cut_mid_room_writes_nothing_into_the_slots_the_decode_gave_up(split, plain, guest):
@@ -79,14 +67,14 @@ def test_a_link_cut_mid_room_writes_nothing_into_the_slots_the_decode_gave_up(sp
     p_mark, d_mark = prefill.log.stat().st_size, decode.log.stat().st_size
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         doomed = pool.submit(generate, split, prompt_ids(seed=170, length=HELD_TOKENS), 8)
-        _wait_log(prefill, p_mark, HELD_LINE, 300)
+        prefill.wait_log(p_mark, HELD_LINE, 300)
         guest.cut()
         t0 = time.monotonic()
         try:
-            text = _wait_log(decode, d_mark, RELEASED_DEAD, 120)
+            text = decode.wait_log(d_mark, RELEASED_DEAD, 120)
             t_decode = time.monotonic() - t0
-            text = _wait_log(decode, d_mark, WATCHED, 30)
-            lost = _wait_log(prefill, p_mark, LOST_DECODE, 120)
+            text = decode.wait_log(d_mark, WATCHED, 30)
+            lost = prefill.wait_log(p_mark, LOST_DECODE, 120)
             t_prefill = time.monotonic() - t0
         finally:
             guest.restore()
@@ -108,7 +96,7 @@ def test_a_link_cut_mid_room_writes_nothing_into_the_slots_the_decode_gave_up(sp
     assert first_divergence(alone["ids"], served["ids"]) is None, (alone["ids"], served["ids"])
     # The held forward ended after the cut: the prefill failed the room it had lost rather than
     # transferring.
-    refused = [line for line in _log_since(prefill, p_mark).splitlines()
+    refused = [line for line in prefill.log_since(p_mark).splitlines()
                if f"bootstrap_room={room}" in line]
     print("  " + "\n  ".join(refused))
     assert any("Prefill transfer failed" in line for line in refused), refused

@@ -101,6 +101,20 @@ class Proc:
         handle.close()
         return self
 
+    def log_since(self, mark: int) -> str:
+        """What the process logged after byte `mark` of its log."""
+        return self.log.read_bytes()[mark:].decode("utf-8", "replace")
+
+    def wait_log(self, mark: int, needle: str, timeout: float) -> str:
+        """The log written after byte `mark`, once it holds `needle` (bounded; the process must
+        stay alive meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while needle not in (text := self.log_since(mark)):
+            assert self.alive(), f"{self.name} exited:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"{self.name}: no {needle!r} in {timeout:.0f} s"
+            time.sleep(0.05)
+        return text
+
     def tail(self, lines: int = 40) -> str:
         try:
             text = self.log.read_text(errors="replace")
