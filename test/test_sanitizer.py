@@ -331,3 +331,22 @@ def test_swa_and_state_items_of_a_transfer_are_digested(pool):
     (v,) = san.violations
     assert (v.kind, v.slot, v.request) == ("pd_checksum", 2, "room 9")
     assert v.expected.startswith("state component 0 buffer 0 digest")
+
+
+def test_a_page_rewritten_out_of_a_row_is_not_held_when_upstream_frees_it(server):
+    """A checkpoint (UnifiedRadixCache.checkpoint) rebinds part of a live request's row to the
+    tree's copy of pages the request computed again, then the batch's free group releases the
+    request's own copies after the checkpoint returned: an unattributed free of pages the row
+    was once written. The row's table no longer names them: no early_free (the 64-session run
+    reported 11 of these). A page the table still names, freed, is early_free as before."""
+    server.san.watch_req_pool(server.rows)
+    row = server.start(2 * PAGE)
+    own_copy = server.rows.req_to_token[row, :PAGE].to(torch.int64).clone()
+    tree_copy = server.alloc.alloc(PAGE)
+    server.san.on_alloc(server.alloc, tree_copy)
+    server.rows.write((row, slice(0, PAGE)), tree_copy.to(torch.int32))
+    server.san.on_row_write((row, slice(0, PAGE)), tree_copy, PAGE)
+    server.alloc.free(own_copy)
+    assert kinds(server.san) == {}
+    server.alloc.free(server.rows.req_to_token[row, PAGE : 2 * PAGE].to(torch.int64))
+    assert kinds(server.san) == {"early_free": 1}

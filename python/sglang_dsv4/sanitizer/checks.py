@@ -44,6 +44,7 @@ class Sanitizer(OwnershipChecks, TransferChecks, HostMirrorChecks):
         self.pool_ledgers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kvcache ->
         self.row_pages: dict[int, set[int]] = {}  # req_to_token row -> pages written to it
         self.row_request: dict[int, object] = {}  # row -> weakref to its Req (or its rid)
+        self.row_extent: dict[int, int] = {}  # row -> positions of its table written so far
         self.priced_index_bytes: int | None = None
         self.sampler = Sampler(sample, self.rng)
         self._query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (q, weights)
@@ -205,18 +206,32 @@ class Sanitizer(OwnershipChecks, TransferChecks, HostMirrorChecks):
                 continue  # a chunked prefill keeps its row and what it holds
             self.row_request[row] = weakref.ref(req) if req is not None else None
             self.row_pages[row] = set()
+            self.row_extent[row] = 0
 
     def on_row_write(self, indices, values, page_size: int) -> None:
         row = indices[0] if isinstance(indices, tuple) else indices
+        where = indices[1] if isinstance(indices, tuple) and len(indices) > 1 else None
         if torch.is_tensor(row) and row.numel() == torch.as_tensor(values).numel() > 0:
-            # a decode step's write: one new slot per row
-            for r, value in zip(
-                row.reshape(-1).tolist(), torch.as_tensor(values).reshape(-1), strict=True
+            # a decode step's write: one new slot per row, at its position
+            positions = (
+                torch.as_tensor(where).reshape(-1).tolist()
+                if where is not None and torch.as_tensor(where).numel() == row.numel()
+                else [None] * row.numel()
+            )
+            for r, position, value in zip(
+                row.reshape(-1).tolist(), positions, torch.as_tensor(values).reshape(-1),
+                strict=True,
             ):
-                self.on_row_write(int(r), value, page_size)
+                self.on_row_write(int(r) if position is None else (int(r), int(position)),
+                                  value, page_size)
             return
         if not isinstance(row, int):
             return
+        # How far the row's table was written: where check_free reads what it holds now.
+        if isinstance(where, slice) and where.stop is not None:
+            self.row_extent[row] = max(self.row_extent.get(row, 0), int(where.stop))
+        elif isinstance(where, int):
+            self.row_extent[row] = max(self.row_extent.get(row, 0), where + 1)
         pages = [p for p in _pages(values, page_size) if p > 0]
         held = self.row_pages.setdefault(row, set())
         for page in pages:
@@ -240,6 +255,7 @@ class Sanitizer(OwnershipChecks, TransferChecks, HostMirrorChecks):
         for row in rows:
             self.row_pages.pop(row, None)
             self.row_request.pop(row, None)
+            self.row_extent.pop(row, None)
 
     def _ledger_with(self, page: int) -> PageLedger | None:
         """The ledger of the DeepSeek-V4 full pool (the page ids request rows hold)."""

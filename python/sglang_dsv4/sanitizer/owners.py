@@ -113,6 +113,7 @@ class OwnershipChecks:
                 self._check_padding(row, pages)
                 continue
             self.row_pages[row] = own
+            self.row_extent[row] = max(self.row_extent.get(row, 0), length)
             self._check_writes(row, own, pages)
             self.attribute_load(row, own)
         self.checked["row_writes"] += len(rows)
@@ -185,11 +186,30 @@ class OwnershipChecks:
 
     # --- frees -----------------------------------------------------------------------------------
 
+    def still_holds(self, row: int, page: int) -> bool:
+        """Whether the row's table (upstream's req_to_token) names `page` now, within what the
+        row was written or last ran with. The ledger adds every page a row is written; a write
+        that replaces part of the row (a checkpoint rebinding it to the tree's copy of pages the
+        request computed again) leaves the old ones in the ledger, and upstream frees those
+        later, outside the checkpoint. Without a table to read, the ledger's word stands."""
+        pool = self.req_pool() if self.req_pool is not None else None
+        table = getattr(pool, "req_to_token", None)
+        ledger = self._full_ledger()
+        extent = self.row_extent.get(row, 0)
+        if table is None or ledger is None or extent <= 0:
+            return True
+        size = ledger.page_size
+        return bool(((table[row, :extent:size] // size).cpu() == page).any())
+
     def check_free(self, pages: list[int]) -> None:
-        """Pages about to be freed: each must be held by no live request but the releasing one."""
+        """Pages about to be freed: each must be held by no live request but the releasing one
+        (held: its table names it now)."""
         freer = self.freeing_row
         for page in pages:
             others = self.holders(page, excluding=() if freer is None else (freer,))
+            for row in [r for r in others if not self.still_holds(r, page)]:
+                self.row_pages[row].discard(page)  # rewritten away: no longer held
+                others.remove(row)
             if not others:
                 continue
             who = self.request_name(freer) if freer is not None else "an unattributed free"
