@@ -56,15 +56,19 @@ SMALL_POOL_ARGS = ("--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-
 
 @pytest.fixture(scope="module")
 def hicache(fleet, tiny_model_dir):
-    return fleet.server(
+    server = fleet.server(
         tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS, "--enable-hierarchical-cache",
         "--hicache-ratio", "4", name="hicache-bf16", env=env_for("bf16"))
+    yield server
+    fleet.retire(server)
 
 
 @pytest.fixture(scope="module")
 def hicache_off(fleet, tiny_model_dir):
-    return fleet.server(tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS, name="hicache-off-bf16",
-                        env=env_for("bf16"))
+    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS,
+                          name="hicache-off-bf16", env=env_for("bf16"))
+    yield server
+    fleet.retire(server)
 
 
 BF16_STEP = 1 / 32  # one bf16 step for values in [4, 8)

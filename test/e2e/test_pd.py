@@ -43,8 +43,11 @@ HOLD = [{"name": "hold-prefill", "target_modules": ["model.layers.0.self_attn"],
 
 @pytest.fixture(scope="module")
 def pd(fleet, tiny_model_dir):
-    return fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks", json.dumps(HOLD),
+    pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks", json.dumps(HOLD),
                     env=env_for("fp8"))
+    yield pair
+    fleet.retire(pair.router, clean=False)  # a router has no sanitizer
+    fleet.retire(pair.decode, pair.prefill)
 
 
 def test_pd_gives_the_plain_servers_tokens(pd, plain):

@@ -56,8 +56,8 @@ def split(fleet, tiny_model_dir, guest):
     pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks", json.dumps(HOLD),
                     env=env_for("fp8"), name="pd-guest", decode_guest=guest)
     yield pair
-    for proc in (pair.router, pair.decode, pair.prefill):  # before the namespace goes
-        proc.stop()
+    fleet.retire(pair.router, clean=False)  # all before the namespace goes; a router has no
+    fleet.retire(pair.decode, pair.prefill)  # sanitizer
 
 
 
