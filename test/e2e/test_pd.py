@@ -11,14 +11,13 @@ On the CPU, NIXL moves the servers' host buffers (the CPU backend's nixl_hooks s
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import signal
 import time
 
 import pytest
-from support.hold_prefill import HELD_LINE
+from support.hold_prefill import HELD_LINE, RELEASED_DEAD, WATCHED, forward_hooks
 from support.live import (
     POOL_ARGS,
     SERVER_ARGS,
@@ -36,14 +35,12 @@ LENGTHS = (9, 150, 600, 2200)
 # A prompt of HELD_TOKENS is held in its prefill forward (support/hold_prefill.py): the canary
 # test below stops the prefill there. No other prompt here has that length.
 HELD_TOKENS = 2222
-HOLD = [{"name": "hold-prefill", "target_modules": ["model.layers.0.self_attn"],
-         "hook_factory": "support.hold_prefill:factory",
-         "config": {"tokens": HELD_TOKENS, "seconds": 20}}]
 
 
 @pytest.fixture(scope="module")
 def pd(fleet, tiny_model_dir):
-    pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks", json.dumps(HOLD),
+    pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks",
+                    forward_hooks(HELD_TOKENS, 20),
                     env=env_for("fp8"))
     yield pair
     fleet.retire(pair.router, clean=False)  # a router has no sanitizer
@@ -69,12 +66,6 @@ def test_pd_chat_through_the_router(pd, plain):
         for target in (plain, pd)
     ]
     assert answers[0] == answers[1]
-
-
-# Decode log lines (nixl-bootstrap-cascade's quarantine; the sanitizer's late-write watch).
-RELEASED_DEAD = "was declared dead after"
-WATCHED = "watched for a late write"
-
 
 
 def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, plain):

@@ -15,13 +15,12 @@ the next prompt with the plain server's tokens.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import re
 import time
 
 import pytest
 from support import netns
-from support.hold_prefill import HELD_LINE
+from support.hold_prefill import HELD_LINE, RELEASED_DEAD, WATCHED, forward_hooks
 from support.live import (
     POOL_ARGS,
     SERVER_ARGS,
@@ -36,11 +35,6 @@ pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.
 
 HELD_TOKENS = 2223  # a prompt length no other request here uses
 HOLD_S = 30  # the held forward: longer than either side needs to see the cut
-HOLD = [{"name": "hold-prefill", "target_modules": ["model.layers.0.self_attn"],
-         "hook_factory": "support.hold_prefill:factory",
-         "config": {"tokens": HELD_TOKENS, "seconds": HOLD_S}}]
-RELEASED_DEAD = "was declared dead after"  # decode: the quarantine lets the slots go
-WATCHED = "watched for a late write"  # decode: the sanitizer watches them
 LOST_DECODE = "Lost connection with decode instance"  # prefill: its heartbeat
 
 
@@ -53,7 +47,8 @@ def guest():
 
 @pytest.fixture(scope="module")
 def split(fleet, tiny_model_dir, guest):
-    pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks", json.dumps(HOLD),
+    pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks",
+                    forward_hooks(HELD_TOKENS, HOLD_S),
                     env=env_for("fp8"), name="pd-guest", decode_guest=guest)
     yield pair
     fleet.retire(pair.router, clean=False)  # all before the namespace goes; a router has no

@@ -16,6 +16,7 @@ prefill with the slots given and nothing written. Every other forward passes unt
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -24,6 +25,17 @@ from support.corrupt_index_k import _step
 logger = logging.getLogger(__name__)
 
 HELD_LINE = "test hook: prefill forward held"
+# What a decode logs once a room's slots are given up for good (nixl-bootstrap-cascade's
+# quarantine, after the prefill was declared dead) and watched (the sanitizer's late_write).
+RELEASED_DEAD = "was declared dead after"
+WATCHED = "watched for a late write"
+
+
+def forward_hooks(tokens: int, seconds: float) -> str:
+    """The `--forward-hooks` value that holds a prefill forward of `tokens` for `seconds`."""
+    return json.dumps([{"name": "hold-prefill", "target_modules": ["model.layers.0.self_attn"],
+                        "hook_factory": "support.hold_prefill:factory",
+                        "config": {"tokens": tokens, "seconds": seconds}}])
 
 
 def factory(config: dict):
