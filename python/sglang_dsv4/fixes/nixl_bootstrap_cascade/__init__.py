@@ -64,13 +64,19 @@ Register entry
                rank acks the abort (upstream's ABORT / ABORT_ACK, which carry the abort's
                generation) or the decode's heartbeat declares the prefill dead; counted (events, the
                gauge sglang:nixl_kv_quarantined_slots) and in /server_info; above 4,096 rooms an
-               ERROR, never an early free.
+               ERROR, never an early free. A prefill writes only under a lease: each heartbeat reply
+               grants 2 s from its ping's send time; the transfer worker posts a chunk only with 0.5
+               s of lease left on every decode of the room, else pings and waits (at most 5 s, then
+               the room fails) and reads the room's status again; a decode frees a dead prefill's
+               slots no sooner than 2 s after its last reply and sends no reply while it fails that
+               prefill's rooms, so a renewed lease comes after their failure notices.
   Upstream:    not upstream; PR #30352 (ABORT handled in this thread) and PR #34692 (bootstrap
                timeout) are; PR #35281's loop guards were dropped in review
   Remove when: upstream's NIXL control threads isolate each message, fail waiting rooms when a
                thread dies, restart it, never block on a peer, bound their per-room tables, and a
                decode holds a failed room's KV slots until its prefill acks the abort or is declared
-               dead.
+               dead and a prefill that was stopped or cut off cannot write before it reads its
+               rooms' failures.
 
 How, in detail
   Both control threads run one supervised loop (_run_control_thread(self), the
@@ -138,8 +144,22 @@ How, in detail
   quarantined_slots). Bound: above 4,096 quarantined rooms an ERROR says so, once
   per crossing; slots are never freed early (admission slows as free slots do).
   Host destinations, and SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0, keep
-  upstream's rule. Left open: a prefill declared dead that comes back (hung, link
-  cut) races its first write against reading the decode's failure.
+  upstream's rule.
+  A prefill declared dead that comes back (stopped, hung, link cut) must not write
+  before it reads the decode's failure of the room: writes are one-sided, the decode
+  cannot refuse them. Each ping carries its send time and each reply echoes it; a
+  reply grants the prefill a lease on that decode of 2 s from the ping's send time.
+  The transfer worker (update_status(Transferring), before a chunk's first write)
+  goes on only with 0.5 s of lease left on every decode of the room; else it pings
+  them at once and waits for the replies (at most 5 s: then the room fails, "no
+  heartbeat reply from decode ... nothing written"), then reads the room's status
+  again and refuses a failed room (a NIXL transport error: the worker's own failure
+  path, nothing posted). A decode frees the slots of a prefill it declared dead no
+  sooner than 2 s after the last reply it sent that prefill's ranks, and sends no
+  reply while it fails that prefill's rooms, so a reply after the death follows the
+  rooms' failure notices on the same socket. Left open: a write posted under a valid
+  lease that the transport cannot finish while the prefill is stopped (UCX over TCP
+  moves the bytes from the sender's CPU) may land after the lease.
   Audit of the other long-lived NIXL connector threads: transfer_worker (prefill)
   already catches every exception per chunk and fails the room, no change;
   CommonKVBootstrapServer (aiohttp, per-request isolation) and the
@@ -155,12 +175,14 @@ package's __init__ holds the register entry only)
   messages     the control messages each side handles
   heartbeat    heartbeat both ways; a decode's failed room told to its prefill ranks
   quarantine   a failed room's KV slots held until the prefill acks or is declared dead
+  lease        a prefill writes only under its decode's lease
 """
 
 from __future__ import annotations
 
 from sglang_dsv4.fix import Add, Fix, Replace
 from sglang_dsv4.fixes.nixl_bootstrap_cascade.heartbeat import (
+    _fail_lost_prefill,
     _handle_node_failure,
     _on_decode_lost,
     _on_decode_pong,
@@ -168,6 +190,14 @@ from sglang_dsv4.fixes.nixl_bootstrap_cascade.heartbeat import (
     _prefill_endpoints_of_address,
     _probe_decode_peers,
     _tell_prefill_room_failed,
+)
+from sglang_dsv4.fixes.nixl_bootstrap_cascade.lease import (
+    _answer_prefill_ping,
+    _await_decode_lease,
+    _decode_lease_left,
+    _granted_lease_end,
+    _ping_decode,
+    _renew_decode_lease,
 )
 from sglang_dsv4.fixes.nixl_bootstrap_cascade.messages import (
     _handle_decode_control_message,
@@ -299,7 +329,12 @@ FIX = Fix(
         "acks the abort (upstream's ABORT / ABORT_ACK, which carry the abort's generation) or "
         "the decode's heartbeat declares the prefill dead; counted (events, the gauge "
         "sglang:nixl_kv_quarantined_slots) and in /server_info; above 4,096 rooms an ERROR, "
-        "never an early free."
+        "never an early free. A prefill writes only under a lease: each heartbeat reply grants "
+        "2 s from its ping's send time; the transfer worker posts a chunk only with 0.5 s of "
+        "lease left on every decode of the room, else pings and waits (at most 5 s, then the "
+        "room fails) and reads the room's status again; a decode frees a dead prefill's slots "
+        "no sooner than 2 s after its last reply and sends no reply while it fails that "
+        "prefill's rooms, so a renewed lease comes after their failure notices."
     ),
     upstream=(
         "not upstream; PR #30352 (ABORT handled in this thread) and PR #34692 (bootstrap "
@@ -308,7 +343,9 @@ FIX = Fix(
     remove_when=(
         "upstream's NIXL control threads isolate each message, fail waiting rooms when a thread "
         "dies, restart it, never block on a peer, bound their per-room tables, and a decode "
-        "holds a failed room's KV slots until its prefill acks the abort or is declared dead."
+        "holds a failed room's KV slots until its prefill acks the abort or is declared dead "
+        "and a prefill that was stopped or cut off cannot write before it reads its rooms' "
+        "failures."
     ),
     tests=(
         "test/behaviour/test_nixl_bootstrap.py",
@@ -384,6 +421,13 @@ FIX = Fix(
         Add(_MANAGER, _note_prefill_dead),
         Add(_MANAGER, _quarantined_slots_gauge),
         Add(_MANAGER, _publish_quarantined_slots),
+        Add(_MANAGER, _fail_lost_prefill),
+        Add(_MANAGER, _ping_decode),
+        Add(_MANAGER, _renew_decode_lease),
+        Add(_MANAGER, _decode_lease_left),
+        Add(_MANAGER, _await_decode_lease),
+        Add(_MANAGER, _answer_prefill_ping),
+        Add(_MANAGER, _granted_lease_end),
     ),
     imports={
         _CONN: (

@@ -24,15 +24,24 @@ def _handle_node_failure(self, failed_bootstrap_addr: str):
     cleared between its `in` check and check_status, a malformed cached endpoint),
     fail the rooms tracked for that prefill here instead.
     """
+    # No heartbeat reply leaves for any prefill while this one's rooms fail (lease.py): a
+    # reply sent later reaches it behind the rooms' failure notices.
+    with self._pd_control().replies_lock:
+        self._fail_lost_prefill(failed_bootstrap_addr)
+
+
+def _fail_lost_prefill(self, failed_bootstrap_addr: str) -> None:
+    """The decode's heartbeat declared a prefill dead: its rooms fail, told to it."""
     with self.connection_lock:
         rooms = list(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
-    # Nothing of a dead prefill writes any more: the KV slots of its rooms leave the quarantine.
-    self._note_prefill_dead(failed_bootstrap_addr, rooms)
     # The common handling forgets the prefill's endpoints before it fails the rooms: keep them,
     # so each room's failure is still sent to the prefill (a hung or cut-off prefill that comes
     # back reads it before it could write into slots this decode has given up).
     pd = self._pd_control()
     endpoints = self._prefill_endpoints_of_address(failed_bootstrap_addr)
+    # Nothing of a dead prefill writes once its lease is out: its rooms' KV slots leave the
+    # quarantine then.
+    self._note_prefill_dead(failed_bootstrap_addr, rooms, endpoints)
     pd.lost_prefill_endpoints = {room: endpoints for room in rooms}
     for ip, port in endpoints:
         # As the prefill does for a lost decode: the rooms' failure goes on a fresh connection.
@@ -41,10 +50,7 @@ def _handle_node_failure(self, failed_bootstrap_addr: str):
         CommonKVManager._handle_node_failure(self, failed_bootstrap_addr)
     except Exception as e:
         self._count_control_thread_event("decode_heartbeat", "error")
-        reason = (
-            f"Lost connection with prefill instance (bootstrap_addr: "
-            f"{failed_bootstrap_addr})"
-        )
+        reason = f"Lost connection with prefill instance (bootstrap_addr: {failed_bootstrap_addr})"
         # Forget the prefill as the common handling would, so it is not probed and failed again,
         # and drop its cached rank endpoints: a restarted prefill gets fresh ones and this
         # decode's registration again. Then fail its rooms.
@@ -100,7 +106,6 @@ def _probe_decode_peers(self) -> None:
     links = pd.decode_links
     for endpoint in [e for e in links if e not in rooms_of]:
         del links[endpoint]  # no live room left: nothing to watch
-    ping = [b"PD_PING", self.local_ip.encode("ascii"), str(self.rank_port).encode("ascii")]
     for endpoint, rooms in rooms_of.items():
         link = links.get(endpoint)
         if link is None:
@@ -115,8 +120,7 @@ def _probe_decode_peers(self) -> None:
         if link.unanswered == 0:
             link.silent_since = now
         link.unanswered += 1
-        address = NetworkAddress(*endpoint)
-        self._send_multipart_locked(address.to_tcp(), ping, is_ipv6=address.is_ipv6)
+        self._ping_decode(endpoint)
 
 
 def _on_decode_pong(self, frames: list[bytes]) -> None:
@@ -124,6 +128,7 @@ def _on_decode_pong(self, frames: list[bytes]) -> None:
     link = self._pd_control().decode_links.get(endpoint)
     if link is not None:
         link.unanswered = 0
+    self._renew_decode_lease(endpoint, frames)
 
 
 def _on_decode_lost(self, endpoint: tuple[str, int], rooms: list[int], silent_s: float) -> None:

@@ -21,7 +21,6 @@ from sglang.srt.disaggregation.nixl.conn import (
     TransferInfo,
     logger,
 )
-from sglang.srt.utils.network import NetworkAddress
 
 
 def _handle_prefill_control_message(self, frames: list[bytes]) -> None:
@@ -120,9 +119,7 @@ def _store_transfer_info(self, info: TransferInfo) -> None:
         # Every decode destination of the room has reported: it is bootstrapped.
         self.resolve_kv_replica_factor(infos)
         prefix_lens = [i.decode_prefix_len for i in infos.values()]
-        self.req_to_decode_prefix_len[room] = next(
-            (n for n in prefix_lens if n is not None), 0
-        )
+        self.req_to_decode_prefix_len[room] = next((n for n in prefix_lens if n is not None), 0)
     self.update_status(room, KVPoll.WaitingForInput)
 
 
@@ -135,10 +132,7 @@ def _handle_decode_control_message(self, frames: list[bytes]) -> None:
     if self.handle_chunk_ready(frames) or self.handle_abort_ack_message(frames):
         return
     if frames[0] == b"PD_PING":
-        # The prefill's heartbeat: answer on its control socket, never blocking.
-        address = NetworkAddress(bytes(frames[1]).decode("ascii"), int(frames[2]))
-        pong = [b"PD_PONG", self.local_ip.encode("ascii"), str(self.rank_port).encode("ascii")]
-        self._send_multipart_locked(address.to_tcp(), pong, is_ipv6=address.is_ipv6)
+        self._answer_prefill_ping(frames)
         return
     parsed = self.parse_kv_status_message(frames)
     if parsed is None:

@@ -65,13 +65,14 @@ def quarantine_room(self, room: int, slots: int, acks_owed: int, bootstrap_addr:
     try:
         pd = self._pd_control()
         with pd.lock:
-            dead = pd.dead_prefill_rooms.pop(room, None) is not None
+            dead = pd.dead_prefill_rooms.pop(room, None)
             pd.quarantine[room] = SimpleNamespace(
                 slots=int(slots),
                 acks_owed=acks_owed,
                 prefill=bootstrap_addr,
                 since=time.monotonic(),
-                prefill_dead=dead,
+                prefill_dead=dead is not None,
+                lease_end=float("inf") if dead is None else dead.lease_end,
             )
             rooms = len(pd.quarantine)
             over = rooms > pd.bounds.quarantined_rooms and not pd.quarantine_over_bound
@@ -99,8 +100,8 @@ def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool
         freed_by = "ack"
     else:
         entry = self._pd_control().quarantine.get(bootstrap_room)
-        if entry is None or not entry.prefill_dead:
-            return False
+        if entry is None or not entry.prefill_dead or time.monotonic() < entry.lease_end:
+            return False  # a dead prefill may still write until the lease it was granted ends
         freed_by = "prefill_dead"
     entry = self._pd_control().quarantine.get(bootstrap_room)
     if entry is not None:
@@ -131,23 +132,26 @@ def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         )
 
 
-def _note_prefill_dead(self, bootstrap_addr: str, rooms) -> None:
-    """The decode's heartbeat declared the prefill at `bootstrap_addr` dead: nothing of it can
-    write the slots of its rooms any more, quarantined now (by that prefill) or later (`rooms`,
-    its live rooms, which fail now). Bounded (the oldest go first)."""
+def _note_prefill_dead(self, bootstrap_addr: str, rooms, endpoints) -> None:
+    """The decode's heartbeat declared the prefill at `bootstrap_addr` dead: nothing of it
+    writes once the lease this decode last granted its ranks (`endpoints`) ends, for the slots
+    of its rooms quarantined now (by that prefill) or later (`rooms`, its live rooms, which fail
+    now). Bounded (the oldest go first)."""
     pd = self._pd_control()
     now = time.monotonic()
+    lease_end = self._granted_lease_end(endpoints)
     with pd.lock:
         for entry in pd.quarantine.values():
             if entry.prefill == bootstrap_addr:
                 entry.prefill_dead = True
+                entry.lease_end = lease_end
         for room in rooms:
             if room not in pd.quarantine:
                 pd.dead_prefill_rooms.pop(room, None)
-                pd.dead_prefill_rooms[room] = now
+                pd.dead_prefill_rooms[room] = SimpleNamespace(at=now, lease_end=lease_end)
         while pd.dead_prefill_rooms and (
             len(pd.dead_prefill_rooms) > pd.bounds.concluded_rooms
-            or now - next(iter(pd.dead_prefill_rooms.values())) > pd.bounds.concluded_s
+            or now - next(iter(pd.dead_prefill_rooms.values())).at > pd.bounds.concluded_s
         ):
             pd.dead_prefill_rooms.popitem(last=False)
 

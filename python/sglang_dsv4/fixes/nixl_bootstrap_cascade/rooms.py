@@ -44,6 +44,12 @@ def _pd_control(self) -> SimpleNamespace:
         decode_ping_s=0.5,
         decode_pings_missed=4,
         decode_dead_s=5.0,
+        # the lease a decode's heartbeat reply grants its prefill (lease.py): the prefill writes
+        # only with `lease_margin_s` of it left; the decode frees a dead prefill's slots no
+        # sooner than `lease_s` after its last reply (a few pings' worth: a busy control loop
+        # makes a chunk wait for one round trip, never fail)
+        lease_s=2.0,
+        lease_margin_s=0.5,
         # decode: rooms whose KV slots are quarantined (held until their prefill acks the abort
         # or is declared dead) beyond which an ERROR says so; they are never freed early
         quarantined_rooms=4096,
@@ -66,13 +72,20 @@ def _pd_control(self) -> SimpleNamespace:
         # silent_since); at most one per live room
         decode_links={},
         probed_at=0.0,
+        # prefill: (ip, port) of a decode -> send time of its latest answered ping (the lease);
+        # decode: (ip, port) of a prefill rank -> when this decode last answered its ping, and
+        # the lock that keeps replies out while a lost prefill's rooms fail. At most `peers`.
+        decode_leases=OrderedDict(),
+        leases_granted=OrderedDict(),
+        replies_lock=threading.RLock(),
         # decode: the thread applying a prefill's status (a failure it reports is not echoed),
         # and the prefill endpoints of rooms failing because that prefill was lost
         applying_prefill_status=None,
         lost_prefill_endpoints={},
-        # decode: failed room -> SimpleNamespace(slots, acks_owed, prefill, since, prefill_dead),
-        # its KV slots out of the free list; rooms of prefills declared dead -> when (bounded
-        # like `concluded`), for rooms quarantined after the death
+        # decode: failed room -> SimpleNamespace(slots, acks_owed, prefill, since, prefill_dead,
+        # lease_end), its KV slots out of the free list; rooms of prefills declared dead ->
+        # SimpleNamespace(at, lease_end) (bounded like `concluded`), for rooms quarantined after
+        # the death
         quarantine={},
         quarantine_over_bound=False,
         dead_prefill_rooms=OrderedDict(),
@@ -175,6 +188,9 @@ def update_status(self, bootstrap_room: int, status: KVPoll):
         if status == KVPoll.Failed and before not in (None, KVPoll.Failed):
             self._tell_prefill_room_failed(bootstrap_room)
         return
+    if status == KVPoll.Transferring and bootstrap_room in self.request_status:
+        # The transfer worker, before a chunk's first write: only under the decode's lease.
+        self._await_decode_lease(bootstrap_room)
     before = self.request_status.get(bootstrap_room)
     CommonKVManager.update_status(self, bootstrap_room, status)
     if before is None:
@@ -327,14 +343,10 @@ def _room_status_snapshot(self) -> list[tuple[int, int]]:
 
 def _fail_rooms_awaiting_bootstrap(self, reason: str) -> int:
     waiting = [
-        room
-        for room, status in self._room_status_snapshot()
-        if status == KVPoll.Bootstrapping
+        room for room, status in self._room_status_snapshot() if status == KVPoll.Bootstrapping
     ]
     return sum(self._fail_live_room(room, reason) for room in waiting)
 
 
 def _fail_rooms_awaiting_prefill(self, reason: str) -> int:
-    return sum(
-        self._fail_live_room(room, reason) for room, _ in self._room_status_snapshot()
-    )
+    return sum(self._fail_live_room(room, reason) for room, _ in self._room_status_snapshot())
