@@ -17,7 +17,14 @@ import signal
 import time
 
 import pytest
-from support.hold_prefill import HELD_LINE, RELEASED_DEAD, WATCHED, forward_hooks
+from support.hold_prefill import (
+    HELD_LINE,
+    HELD_TRANSFER_LINE,
+    RELEASED_DEAD,
+    TRANSFER_OUTCOME,
+    WATCHED,
+    forward_hooks,
+)
 from support.live import (
     POOL_ARGS,
     SERVER_ARGS,
@@ -32,15 +39,17 @@ from support.live import (
 LENGTHS = (9, 150, 600, 2200)
 
 
-# A prompt of HELD_TOKENS is held in its prefill forward (support/hold_prefill.py): the canary
-# test below stops the prefill there. No other prompt here has that length.
+# A prompt of HELD_TOKENS is held in its prefill forward, one of HELD_TRANSFER_TOKENS in the
+# prefill's transfer worker (support/hold_prefill.py): the canary tests below stop the prefill
+# there. No other prompt here has those lengths.
 HELD_TOKENS = 2222
+HELD_TRANSFER_TOKENS = 2224
 
 
 @pytest.fixture(scope="module")
 def pd(fleet, tiny_model_dir):
     pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks",
-                    forward_hooks(HELD_TOKENS, 20),
+                    forward_hooks(HELD_TOKENS, 20, transfer_tokens=HELD_TRANSFER_TOKENS),
                     env=env_for("fp8"))
     yield pair
     fleet.retire(pair.router, clean=False)  # a router has no sanitizer
@@ -68,24 +77,16 @@ def test_pd_chat_through_the_router(pd, plain):
     assert answers[0] == answers[1]
 
 
-def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, plain):
-    """Issue #23's canary, through real servers. The prefill server (every process of it) is
-    stopped with SIGSTOP in a request's prefill forward (held there by a test hook, so the stop
-    lands after the decode sent the room's slots and before any KV was written). The decode's
-    heartbeat declares it dead, fails the room and, the prefill being dead, lets the room's KV
-    slots out of the quarantine; the sanitizer poisons them as they are freed and watches them.
-    SIGCONT: the prefill finishes that forward and must not transfer into the slots (it reads
-    the decode's failure first). The next request's allocation checks every watched page still
-    holds its poison (`late_write`), and the pair serves it with the plain server's tokens. (The
-    router retries the failed request: the retry, its prompt now cached on the prefill, is
-    served, and its allocation on the decode is the first check.)
-
-    Runs last in this module: the pair it leaves must serve again (asserted here)."""
+def stop_prefill_until_its_room_is_given_up(pd, tokens: int, held_line: str, seed: int):
+    """Send a prompt of `tokens`, SIGSTOP the whole prefill server once the hook logs
+    `held_line`, SIGCONT once the decode has released the room's slots (the prefill declared
+    dead) and the sanitizer watches them. Returns (room, the decode's and the prefill's lines
+    about the room, seconds until the release, the request's outcome)."""
     prefill, decode = pd.prefill, pd.decode
     p_mark, d_mark = prefill.log.stat().st_size, decode.log.stat().st_size
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        doomed = pool.submit(generate, pd, prompt_ids(seed=160, length=HELD_TOKENS), 8)
-        prefill.wait_log(p_mark, HELD_LINE, 300)  # its forward holds for 20 s from here
+        doomed = pool.submit(generate, pd, prompt_ids(seed=seed, length=tokens), 8)
+        prefill.wait_log(p_mark, held_line, 300)  # held for 20 s from here
         os.killpg(prefill.popen.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         try:
@@ -98,21 +99,75 @@ def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, pl
             outcome = doomed.result(timeout=600)
         except Exception as e:  # the router answers the failed request with an error
             outcome = f"{type(e).__name__}: {e}"
-    lines = [line for line in text.splitlines() if RELEASED_DEAD in line or WATCHED in line]
     (room,) = set(re.findall(r"KV slots of failed room (\d+)", text))
-    # The prefill, woken, failed that room rather than transferring into the slots.
-    refused = [line for line in prefill.log_since(p_mark).splitlines()
-               if f"bootstrap_room={room}" in line]
-    print(f"\nSIGSTOP prefill mid-prefill: the decode released room {room}'s slots after "
-          f"{t_released:.1f} s\n  " + "\n  ".join(lines + refused)
-          + f"\n  the request (the router retries it): {outcome}")
-    assert any("Prefill transfer failed" in line for line in refused), refused
+    lines = [line for line in text.splitlines() if RELEASED_DEAD in line or WATCHED in line]
+    lines += [line for line in prefill.log_since(p_mark).splitlines() if room in line]
+    return room, lines, t_released, outcome
 
-    prompt = prompt_ids(seed=161, length=600)
+
+def serves_clean_after(pd, plain, seed: int) -> None:
+    """The pair serves the next prompt with the plain server's tokens, and the decode's
+    sanitizer saw nothing (late_write: no page the decode gave up changed before reuse)."""
+    prompt = prompt_ids(seed=seed, length=600)
     plain.post("/flush_cache", {})
     alone = generate(plain, prompt, max_new_tokens=12)
     split = generate(pd, prompt, max_new_tokens=12)
     assert first_divergence(alone["ids"], split["ids"]) is None, (alone["ids"], split["ids"])
-    counts = sanitizer_counts(decode)
+    counts = sanitizer_counts(pd.decode)
     assert counts is not None and "late_write" in counts, counts
     assert sum(counts.values()) == 0, counts
+
+
+def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, plain):
+    """Issue #23's canary, through real servers. The prefill server (every process of it) is
+    stopped with SIGSTOP in a request's prefill forward (held there by a test hook, so the stop
+    lands after the decode sent the room's slots and before any KV was written). The decode's
+    heartbeat declares it dead, fails the room and, the prefill being dead, lets the room's KV
+    slots out of the quarantine; the sanitizer poisons them as they are freed and watches them.
+    SIGCONT: the prefill finishes that forward and must not transfer into the slots (it reads
+    the decode's failure first). The next request's allocation checks every watched page still
+    holds its poison (`late_write`), and the pair serves it with the plain server's tokens. (The
+    router retries the failed request: the retry, its prompt now cached on the prefill, is
+    served, and its allocation on the decode is the first check.)
+
+    The pair it leaves must serve again (asserted here)."""
+    room, lines, t_released, outcome = stop_prefill_until_its_room_is_given_up(
+        pd, HELD_TOKENS, HELD_LINE, seed=160)
+    print(f"\nSIGSTOP prefill mid-prefill: the decode released room {room}'s slots after "
+          f"{t_released:.1f} s\n  " + "\n  ".join(lines)
+          + f"\n  the request (the router retries it): {outcome}")
+    # The prefill, woken, failed that room rather than transferring into the slots.
+    assert any("Prefill transfer failed" in line and f"bootstrap_room={room}" in line
+               for line in lines), lines
+    serves_clean_after(pd, plain, seed=161)
+
+
+def test_a_prefill_stopped_with_a_chunk_queued_never_writes_it_into_given_up_slots(pd, plain):
+    """Issue #23's last race, through real servers: the prefill's transfer worker has read the
+    room as live and is about to write its chunk (held there by a test hook) when the whole
+    prefill server gets SIGSTOP. The decode declares it dead and releases the room's slots (its
+    lease on them long out); SIGCONT, and the worker goes on with the status it read before the
+    stop, first to run: the hook keeps the control thread from reading the decode's failure of
+    the room until the worker has reached its write. Without the lease it writes the chunk into
+    the released slots (9 pages: the sanitizer's late_write at the decode's next allocation).
+    With it, the worker finds no lease left, pings the decode, and the reply comes behind the
+    decode's failure of the room: the room is refused with nothing written ("... failed before
+    its KV was written ...; its lease ran out ...; nothing written").
+
+    Runs last in this module: the pair it leaves must serve again (asserted here)."""
+    room, lines, t_released, outcome = stop_prefill_until_its_room_is_given_up(
+        pd, HELD_TRANSFER_TOKENS, HELD_TRANSFER_LINE, seed=162)
+    held = [line for line in lines if HELD_TRANSFER_LINE in line]
+    assert held and f"room {room}," in held[0], lines  # the stop fell on this room's chunk
+    # The held chunk ends one way or the other: refused, or written (then the decode's next
+    # allocation, below, finds its pages changed).
+    ended = pd.prefill.wait_log(0, f"{TRANSFER_OUTCOME} {room} ", 120)
+    ending = [line for line in ended.splitlines() if f"{TRANSFER_OUTCOME} {room} " in line]
+    print(f"\nSIGSTOP prefill with a chunk queued: the decode released room {room}'s slots "
+          f"after {t_released:.1f} s\n  " + "\n  ".join(dict.fromkeys(lines + ending))
+          + f"\n  the request (the router retries it): {outcome}")
+    serves_clean_after(pd, plain, seed=163)
+    # Refused by the lease: the room was still live when the chunk was ready (the control
+    # thread had not read the decode's failure), and the reply that renewed it came after.
+    assert "refused" in ending[0] and "failed before its KV was written" in ending[0], ending
+    assert "its lease ran out" in ending[0], ending
