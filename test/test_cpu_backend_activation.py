@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+import sglang
 from sglang_dsv4 import cpu_backend
 from sglang_dsv4.fixes import REGISTER
 from sglang_dsv4.maintain.export import __name__ as _export_module  # noqa: F401  (imports cleanly)
@@ -146,3 +147,22 @@ def test_triton_path_is_opt_in(dsv4_dir):
 
     assert [r.target for r in triton_hooks.FIX.replaces] == list(both[1].upstream_modules and (
         "sgl_kernel_dsv4.index_logits.bf16_paged_mqa_logits",))
+
+
+def test_a_cpu_server_command_line_without_a_pool_size_gets_the_default_pool(dsv4_dir):
+    """Upstream sizes a CPU server's KV pool from the host's free memory (15 GB here, most of a
+    start spent zero-filling it); a launch_server command line that sizes none gets
+    DEFAULT_POOL_TOKENS, read by upstream's own argument parsing. One that sizes it is kept."""
+    from sglang.srt.server_args import prepare_server_args
+
+    launcher = os.path.join(os.path.dirname(sglang.__file__), "launch_server.py")
+    argv = [launcher, "--model-path", str(dsv4_dir), "--device", "cpu"]
+    cpu_backend._default_pool(argv)
+    assert prepare_server_args(argv[1:]).max_total_tokens == cpu_backend.DEFAULT_POOL_TOKENS
+    for sized in (["--max-total-tokens", "5000"], ["--mem-fraction-static=0.5"]):
+        argv = [launcher, "--model-path", str(dsv4_dir), "--device", "cpu", *sized]
+        cpu_backend._default_pool(argv)
+        assert argv[5:] == sized
+    other = ["/usr/bin/pytest", "-q"]
+    cpu_backend._default_pool(other)
+    assert other == ["/usr/bin/pytest", "-q"]

@@ -37,7 +37,8 @@ through the project's Triton kernel under the interpreter (`triton_hooks`), for 
 they take `sparse_attention.bf16_paged_mqa_logits` (`index_hooks`). A PD server's NIXL buffers
 are registered and moved as host memory, and a prefill's early send of a cached prefix records no
 CUDA event (`nixl_hooks`); a HiCache server's host pools are plain
-host memory and their pages move by torch copies (`hicache_hooks`).
+host memory and their pages move by torch copies (`hicache_hooks`). A launch_server command line
+that sizes no KV pool gets `--max-total-tokens DEFAULT_POOL_TOKENS` (`_default_pool`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,13 @@ SWITCHES = {
     "TRITON_INTERPRET": "1",
 }
 PLATFORM_FACTS = {"is_sm120": True}
+# The KV pool a `python -m sglang.launch_server --device cpu` gets when its command line sizes none:
+# upstream sizes the pools from the host's free memory (~23.9M tokens, 15 GB on a 24 GB machine),
+# and zero-filling that took 37 of a 67 s start, and held the memory for the server's life. This
+# is every request of the tiny model's default cap (256) at its full context (4096): 0.7 GB, ~2 s.
+# --max-total-tokens, --mem-fraction-static or --config on the command line keep upstream's sizing.
+DEFAULT_POOL_TOKENS = 256 * 4096
+_POOL_FLAGS = ("--max-total-tokens", "--mem-fraction-static", "--config")
 
 _state = {"on": False, "reason": "the dsv4_sm120 plugin did not run", "platform": None}
 
@@ -153,6 +161,8 @@ def entries(argv: list[str] | None = None, environ=None) -> tuple:
             logger.warning("sglang-dsv4 cpu backend: %s=%s overridden to %s", name,
                            environ[name], value)
         environ[name] = value
+    if argv is None:  # this process's own command line, not a caller's list
+        _default_pool(sys.argv)
     entries = [_entry(ID, MODULE, UPSTREAM_MODULES)]
     if (environ.get(TRITON_ENV) or "").strip() == "1":
         entries.append(_entry("cpu-backend-triton", "sglang_dsv4.cpu_backend.triton_hooks",
@@ -170,6 +180,19 @@ def entries(argv: list[str] | None = None, environ=None) -> tuple:
                            "sglang.srt.mem_cache.pool_host.common",
                            "sglang.srt.mem_cache.memory_pool_host")))
     return tuple(entries)
+
+
+def _default_pool(argv: list[str]) -> None:
+    """Add `--max-total-tokens DEFAULT_POOL_TOKENS` to a launch_server command line that sizes no
+    pool (upstream's launcher parses `sys.argv` after loading the plugins; its schedulers get the
+    parsed arguments)."""
+    if not argv or not os.path.basename(argv[0]).removesuffix(".py").endswith("launch_server"):
+        return
+    if any(a == f or a.startswith(f + "=") for a in argv[1:] for f in _POOL_FLAGS):
+        return
+    argv += ["--max-total-tokens", str(DEFAULT_POOL_TOKENS)]
+    logger.info("sglang-dsv4 cpu backend: --max-total-tokens %d (no pool size given)",
+                DEFAULT_POOL_TOKENS)
 
 
 def _entry(entry_id: str, module: str, upstream_modules: tuple[str, ...]):
