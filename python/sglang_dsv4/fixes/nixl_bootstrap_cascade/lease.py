@@ -17,7 +17,11 @@ socket per peer, in order), so a prefill that renews its lease has read them fir
 
 Left open: a write posted under a valid lease that the transport cannot finish while the prefill
 is stopped (UCX over TCP moves bytes from the sender's CPU; RDMA and CUDA IPC do not) may land
-after the lease; the margin bounds how late it may be posted, not how long it may take.
+after the lease; the margin bounds how late it may be posted, not how long it may take. And a
+decode that dropped a prefill's endpoint (its queue stayed full; the failure notices queued there
+are gone) sends that prefill no reply while it stays dropped, so its chunks to that decode fail
+("no heartbeat reply") instead of being written without those notices: safe, but the pair
+needs a restart.
 
 Written as they stand in sglang/srt/disaggregation/nixl/conn.py (the fix adds them there).
 """
