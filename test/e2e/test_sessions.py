@@ -27,7 +27,6 @@ import concurrent.futures
 import pytest
 from support.live import (
     first_divergence,
-    full_suite_only,
     generate,
     prompt_ids,
     sanitizer_counts,
@@ -78,7 +77,6 @@ def _session(target, s: int) -> list[dict]:
     return replies
 
 
-@full_suite_only()
 def test_64_concurrent_sessions_agree_with_each_session_alone(plain):
     longest = SHARED + TURNS * (TURN_TOKENS + REPLY)
     assert longest <= 4096

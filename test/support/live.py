@@ -325,22 +325,6 @@ POOL_ARGS = ("--max-total-tokens", "131072", "--swa-full-tokens-ratio", "0.25",
              "--max-running-requests", "64")
 
 
-# The differential tests that cannot run in every CI run yet (the README says why for each: the
-# 64 sessions need tens of minutes of CPU prefill, the soak and the gate are not timed) run when
-# this is set.
-FULL_ENV = "SGLANG_DSV4_E2E_FULL"
-
-
-def full_suite_only():
-    """A pytest mark skipping a test unless SGLANG_DSV4_E2E_FULL=1."""
-    import pytest
-
-    return pytest.mark.skipif(
-        os.environ.get(FULL_ENV) != "1",
-        reason=f"{FULL_ENV}=1 runs it (not in every CI run: the README's e2e section says why)",
-    )
-
-
 def env_for(index_k_dtype: str, **extra) -> dict:
     return {**SANITIZED, "SGLANG_DSV4_INDEX_K_DTYPE": index_k_dtype, **extra}
 
