@@ -63,6 +63,9 @@ def fail_a_room_mid_transfer(prefill: Rank, decode: Rank, room: int) -> None:
     decode.send(f"open_kv {room}")
     prefill.room(room, KVPoll.WaitingForInput, 10)
     prefill.send(f"inflight {room}")
+    # Counted before the abort is sent: an abort that reached the prefill first would find
+    # nothing in flight and be acked at once (what a prefill with no chunk queued does).
+    prefill.expect(lambda e: e.get("inflight") == room, 5)
     decode.send(f"abort {room}")
     decode.expect(lambda e: e.get("room") == room and e.get("held"), 5)
     prefill.room(room, KVPoll.Failed, 5)  # it read the decode's failure; its chunk still runs

@@ -24,10 +24,11 @@ KV slots (the quarantine of a failed room's slots), on a decode started with PD_
 destination; `abort ROOM` aborts it (CommonKVReceiver.abort, as an AbortReq); `kv ROOM` answers
 {"kv": ROOM, "held", "pages_free"}, `tables` the manager's control_table_sizes(). The decode
 reports {"room", "held": true} when it holds a failed room's slots and {"room", "released":
-true, "pages_free"} when it releases them. A prefill's `inflight ROOM` counts a chunk of the room in flight and
-`drain ROOM` ends it, as the transfer worker counts a chunk it dequeued and, once its transfer
-handles are done, uncounts it and acks a drained abort (`_maybe_ack_drained_abort`); the worker
-itself is not run (it needs KV buffers to write from).
+true, "pages_free"} when it releases them. A prefill's `inflight ROOM` counts a chunk of the
+room in flight (and reports {"inflight": ROOM} once counted) and `drain ROOM` ends it, as the
+transfer worker counts a chunk it dequeued and, once its transfer handles are done, uncounts it
+and acks a drained abort (`_maybe_ack_drained_abort`); the worker itself is not run (it needs KV
+buffers to write from).
 """
 
 from __future__ import annotations
@@ -294,6 +295,7 @@ def run_prefill(bootstrap_port: int) -> None:
             say(peers=sorted(mgr.decode_kv_args_table))
         elif verb == "inflight":
             mgr._staging_outstanding[int(args[0])] += 1
+            say(inflight=int(args[0]))  # counted: an abort from now on finds the chunk
         elif verb == "drain":
             mgr._staging_outstanding[int(args[0])] -= 1
             mgr._maybe_ack_drained_abort(int(args[0]))
