@@ -32,7 +32,7 @@ from support.live import (
     first_divergence,
     generate,
     prompt_ids,
-    sanitizer_counts,
+    serves_like_plain_and_clean,
 )
 
 # Lengths: inside the window, past it, past a c128 block and a c4 page, past the c4 top-k reach.
@@ -105,19 +105,6 @@ def stop_prefill_until_its_room_is_given_up(pd, tokens: int, held_line: str, see
     return room, lines, t_released, outcome
 
 
-def serves_clean_after(pd, plain, seed: int) -> None:
-    """The pair serves the next prompt with the plain server's tokens, and the decode's
-    sanitizer saw nothing (late_write: no page the decode gave up changed before reuse)."""
-    prompt = prompt_ids(seed=seed, length=600)
-    plain.post("/flush_cache", {})
-    alone = generate(plain, prompt, max_new_tokens=12)
-    split = generate(pd, prompt, max_new_tokens=12)
-    assert first_divergence(alone["ids"], split["ids"]) is None, (alone["ids"], split["ids"])
-    counts = sanitizer_counts(pd.decode)
-    assert counts is not None and "late_write" in counts, counts
-    assert sum(counts.values()) == 0, counts
-
-
 def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, plain):
     """Issue #23's canary, through real servers. The prefill server (every process of it) is
     stopped with SIGSTOP in a request's prefill forward (held there by a test hook, so the stop
@@ -139,7 +126,7 @@ def test_a_stopped_prefill_never_writes_into_the_slots_its_decode_gave_up(pd, pl
     # The prefill, woken, failed that room rather than transferring into the slots.
     assert any("Prefill transfer failed" in line and f"bootstrap_room={room}" in line
                for line in lines), lines
-    serves_clean_after(pd, plain, seed=161)
+    serves_like_plain_and_clean(pd, plain, seed=161)
 
 
 def test_a_prefill_stopped_with_a_chunk_queued_never_writes_it_into_given_up_slots(pd, plain):
@@ -166,7 +153,7 @@ def test_a_prefill_stopped_with_a_chunk_queued_never_writes_it_into_given_up_slo
     print(f"\nSIGSTOP prefill with a chunk queued: the decode released room {room}'s slots "
           f"after {t_released:.1f} s\n  " + "\n  ".join(dict.fromkeys(lines + ending))
           + f"\n  the request (the router retries it): {outcome}")
-    serves_clean_after(pd, plain, seed=163)
+    serves_like_plain_and_clean(pd, plain, seed=163)
     # Refused by the lease: the room was still live when the chunk was ready (the control
     # thread had not read the decode's failure), and the reply that renewed it came after.
     assert "refused" in ending[0] and "failed before its KV was written" in ending[0], ending

@@ -376,3 +376,17 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def serves_like_plain_and_clean(pd, plain, seed: int) -> None:
+    """After a PD canary: the pair serves the next prompt with the plain server's tokens, and
+    the decode's sanitizer saw nothing (late_write: no page the decode gave up changed before
+    reuse)."""
+    prompt = prompt_ids(seed=seed, length=600)
+    plain.post("/flush_cache", {})
+    alone = generate(plain, prompt, max_new_tokens=12)
+    split = generate(pd, prompt, max_new_tokens=12)
+    assert first_divergence(alone["ids"], split["ids"]) is None, (alone["ids"], split["ids"])
+    counts = sanitizer_counts(pd.decode)
+    assert counts is not None and "late_write" in counts, counts
+    assert sum(counts.values()) == 0, counts
