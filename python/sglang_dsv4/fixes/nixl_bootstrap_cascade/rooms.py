@@ -180,7 +180,9 @@ def update_status(self, bootstrap_room: int, status: KVPoll):
     remembered so a late transfer info cannot bring it back.
 
     Every failure path (sender abort, bootstrap timeout, control-thread death, a refused
-    message) ends here, so decode learns at once instead of at its waiting timeout.
+    message) ends here, so decode learns at once instead of at its waiting timeout. A prefill
+    room turning Transferring (the transfer worker, before a chunk's first write) first waits
+    for its decodes' lease (lease.py).
     """
     if self.disaggregation_mode != DisaggregationMode.PREFILL:
         before = self.request_status.get(bootstrap_room)
