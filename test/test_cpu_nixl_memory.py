@@ -8,6 +8,7 @@ test (test/e2e/test_pd.py) runs the same hook inside real prefill and decode ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ from nixl._bindings import nixlBackendError
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang_dsv4 import cpu_backend
-from sglang_dsv4.cpu_backend import nixl_hooks
+from sglang_dsv4.cpu_backend import nixl_hooks, nixl_progress
 from support.nixl import HANG_GUARD_S, ucx_agent
 
 PAGE = 4096
@@ -98,6 +99,54 @@ def test_descriptors_that_name_no_gpu_pass_unchanged():
     assert nixl_hooks.host_descs(tensor) is tensor
 
 
+def _thread_cpu_ticks() -> dict[str, int]:
+    """{thread id: user + system clock ticks} of this process's threads."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def test_an_idle_agents_progress_thread_sleeps():
+    """nixl's default progress thread polls with a zero timeout, a core per agent for its whole
+    life; through nixl_progress the threads an agent starts take next to no CPU while nothing
+    moves (at most a quarter of a core over a second of idling: a poll pass a millisecond costs
+    well under 1%)."""
+    before = _thread_cpu_ticks()
+    agent = ucx_agent("idle")
+    start = {tid: t for tid, t in _thread_cpu_ticks().items() if tid not in before}
+    assert start, "the agent started no thread"
+    time.sleep(1.0)
+    now = _thread_cpu_ticks()
+    used_s = sum(now.get(tid, t) - t for tid, t in start.items()) / os.sysconf("SC_CLK_TCK")
+    assert used_s < 0.25, f"the agent's threads used {used_s:.2f} s of CPU in 1 s of idling"
+    del agent
+
+
+def test_the_idle_wait_raises_the_delay_of_every_agent_with_a_progress_thread(monkeypatch):
+    import nixl._api as api
+
+    nixl_progress.install()
+    assert nixl_progress.install() is False  # once per process
+    bindings = api.nixlBind
+    assert isinstance(bindings, nixl_progress.IdleWaitBindings)
+    config = bindings.nixlAgentConfig()
+    config.useProgThread, config.pthrDelay = True, 0  # what nixl_agent.__init__ sets
+    assert bindings.nixlAgent("delay-check", config) is not None
+    assert config.pthrDelay == nixl_progress.IDLE_WAIT_US
+    quiet = bindings.nixlAgentConfig()
+    quiet.useProgThread, quiet.pthrDelay = False, 0  # no thread: nothing to change
+    bindings.nixlAgent("no-thread-check", quiet)
+    assert quiet.pthrDelay == 0
+
+    monkeypatch.setattr(api, "nixlBind", object())  # a nixl that builds agents otherwise
+    with pytest.raises(RuntimeError, match="idle-waiting progress thread cannot be applied"):
+        nixl_progress.install()
+
+
 # A --device cpu server's scheduler, as far as the hook goes: the plugin loaded the way upstream's
 # server loads it, the NIXL module imported (which installs the hook), a manager registered.
 SERVER_PROCESS = """
@@ -109,13 +158,16 @@ load_plugins()
 import sglang.srt.disaggregation.nixl.conn
 from sglang_dsv4 import plugin
 plugin.settle()
+import nixl._api
+from sglang_dsv4.cpu_backend.nixl_progress import IdleWaitBindings
+idle_wait = isinstance(nixl._api.nixlBind, IdleWaitBindings)  # before any test agent exists
 from test_cpu_nixl_memory import host_manager
 from sglang_dsv4.cpu_backend.nixl_hooks import HostMemoryAgent
 mgr, _ = host_manager("server", 0)
 mgr.register_buffer_to_engine()
 print(json.dumps({{"status": plugin.STATE["cpu-backend-nixl"].status,
                    "wrapped": isinstance(mgr.agent, HostMemoryAgent),
-                   "kv_descs": len(mgr.kv_descs)}}))
+                   "kv_descs": len(mgr.kv_descs), "idle_wait": idle_wait}}))
 """
 
 
@@ -127,7 +179,7 @@ def test_a_cpu_server_installs_the_hook_through_upstreams_registry(tmp_path):
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"status": "applied", "wrapped": True, "kv_descs": 1}
+    assert out == {"status": "applied", "wrapped": True, "kv_descs": 1, "idle_wait": True}
 
 
 def _early_send_case():

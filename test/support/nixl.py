@@ -25,6 +25,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager, num_kv_slots
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_zmq_socket_on_host
+from sglang_dsv4.cpu_backend import nixl_progress
 
 HOST = "127.0.0.1"
 # The reason upstream records for a room the decode aborted.
@@ -34,7 +35,11 @@ _agent_names = itertools.count()
 
 
 def ucx_agent(role: str):
-    """A real NIXL agent on UCX with a name unique in this process."""
+    """A real NIXL agent on UCX with a name unique in this process. Its progress thread waits
+    when idle, as in a CPU server (sglang_dsv4.cpu_backend.nixl_progress): nixl's default polls
+    a core flat out for as long as the agent lives, and the suite's agents would slow every test
+    after theirs."""
+    nixl_progress.install()
     return nixl_agent(f"{role}-{next(_agent_names)}", nixl_agent_config(backends=["UCX"]))
 
 

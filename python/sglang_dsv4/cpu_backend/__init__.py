@@ -35,9 +35,10 @@ SGLANG_DSV4_CPU_BACKEND=1 yourself turns it on for an in-process driver; 0 keeps
 SGLANG_DSV4_CPU_TRITON=1 (with SGLANG_DSV4_INDEX_K_DTYPE=bf16) also routes the bf16 index logits
 through the project's Triton kernel under the interpreter (`triton_hooks`), for tests; otherwise
 they take `sparse_attention.bf16_paged_mqa_logits` (`index_hooks`). A PD server's NIXL buffers
-are registered and moved as host memory, and a prefill's early send of a cached prefix records no
-CUDA event (`nixl_hooks`); a HiCache server's host pools are plain
-host memory and their pages move by torch copies (`hicache_hooks`). A launch_server command line
+are registered and moved as host memory and a prefill's early send of a cached prefix records no
+CUDA event (`nixl_hooks`); its NIXL progress threads wait when idle instead of polling a core
+flat out (`nixl_progress`). A HiCache server's host pools are plain host memory and their pages
+move by torch copies (`hicache_hooks`). A launch_server command line
 that sizes no KV pool gets `--max-total-tokens DEFAULT_POOL_TOKENS` (`_default_pool`).
 """
 

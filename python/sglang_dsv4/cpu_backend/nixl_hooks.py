@@ -16,6 +16,9 @@ scheduling: torch.cuda.Event cannot record a CPU stream, and the scheduler died 
 first prompt a PD prefill found in its cache (a request the router retried). The event makes the
 transfer wait for the previous forward's writes on the GPU stream; a CPU forward has written
 them when it returns, so there is nothing to wait for.
+
+Loading these hooks also makes the process's NIXL progress threads wait when idle instead of
+polling a core flat out (`nixl_progress`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ import numpy as np
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
+from sglang_dsv4.cpu_backend import nixl_progress
 from sglang_dsv4.fix import Fix, Replace
+
+# Before upstream's NixlKVManager builds its agent (this module loads when upstream imports
+# nixl.conn, ahead of any manager).
+nixl_progress.install()
 
 ID = "cpu-backend-nixl"
 MODULE = "sglang.srt.disaggregation.nixl.conn"
