@@ -1,10 +1,10 @@
 """End-to-end tests over real CPU servers of the tiny DeepSeek-V4 (`sglang-dsv4 tiny-model`).
 
 Every test here is marked `e2e` (select them with `-m e2e`, leave them out with `-m "not e2e"`);
-`python -m pytest -q` runs them with the rest. Servers are session fixtures, started once, shared
-by the tests that need them and stopped (process group, SIGTERM then SIGKILL) at the end; each
-server's log is kept under the session's temporary directory and its tail is printed when a start
-fails.
+`python -m pytest -q` runs them with the rest. Servers are session or module fixtures, started
+once, shared by the tests that need them and stopped (process group, SIGTERM then SIGKILL) at the
+end of their scope; each server's log is kept under the session's temporary directory and its
+tail is printed when a start fails.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.live import POOL_ARGS, SERVER_ARGS, Fleet, env_for
+from support.live import POOL_ARGS, SERVER_ARGS, Fleet, Proc, env_for
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,15 +45,41 @@ def fleet(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def plain(fleet, tiny_model_dir):
-    """One plain CPU server, fp8 index keys (upstream's numerics), no HiCache, no PD."""
-    return fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-fp8", env=env_for("fp8"))
+def plain_launched(fleet, tiny_model_dir) -> Proc:
+    """One plain CPU server, fp8 index keys (upstream's numerics), no HiCache, no PD: launched."""
+    return fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-fp8",
+                        env=env_for("fp8"), wait=False)
 
 
 @pytest.fixture(scope="session")
-def plain_bf16(fleet, tiny_model_dir):
-    """One plain CPU server with bf16 index keys."""
-    return fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-bf16", env=env_for("bf16"))
+def plain(plain_launched) -> Proc:
+    """The plain server, up."""
+    return plain_launched.ready()
+
+
+# Servers start side by side: a start is mostly one process importing and building on one core,
+# and this machine has two. A server fixture X that depends on X_launched (launch, no wait) is
+# launched before the first test that needs it: the session's own at the session's start, a
+# module's at the module's start, all of them at once.
+SESSION_SERVERS = ("plain_launched",)
+
+
+def _launched_names(items) -> list[str]:
+    return sorted({n for item in items for n in item.fixturenames if n.endswith("_launched")})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_session_servers(request):
+    for name in _launched_names(request.session.items):
+        if name in SESSION_SERVERS:
+            request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launch_module_servers(request, _launch_session_servers):
+    items = [item for item in request.session.items if item.module is request.module]
+    for name in _launched_names(items):
+        request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +91,7 @@ def sanitized_servers() -> list:
 @pytest.fixture(autouse=True)
 def _note_servers(request, sanitized_servers):
     yield
-    for name in ("plain", "plain_bf16", "pd", "hicache", "hicache_off"):
+    for name in ("plain", "pd", "hicache", "hicache_off"):
         if name in request.fixturenames:
             server = request.getfixturevalue(name)
             targets = [server.prefill, server.decode] if hasattr(server, "decode") else [server]

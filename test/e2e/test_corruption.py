@@ -28,11 +28,16 @@ HOOK = [{"name": "corrupt-index-k", "target_modules": ["model.layers.1.self_attn
 
 
 @pytest.fixture(scope="module")
-def corrupted(fleet, tiny_model_dir):
+def corrupted_launched(fleet, tiny_model_dir):
     server = fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks",
-                          json.dumps(HOOK), name="corrupted-fp8", env=env_for("fp8"))
+                          json.dumps(HOOK), name="corrupted-fp8", env=env_for("fp8"), wait=False)
     yield server
     fleet.retire(server, clean=False)  # its violations are the test's own
+
+
+@pytest.fixture(scope="module")
+def corrupted(corrupted_launched):
+    return corrupted_launched.ready()
 
 
 def test_an_overwritten_index_k_page_is_reported_with_its_kind(corrupted):

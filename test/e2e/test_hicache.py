@@ -37,6 +37,7 @@ import concurrent.futures
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.live import (
+    POOL_ARGS,
     SERVER_ARGS,
     env_for,
     generate,
@@ -55,20 +56,44 @@ SMALL_POOL_ARGS = ("--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-
 
 
 @pytest.fixture(scope="module")
-def hicache(fleet, tiny_model_dir):
+def hicache_launched(fleet, tiny_model_dir):
     server = fleet.server(
         tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS, "--enable-hierarchical-cache",
-        "--hicache-ratio", "4", name="hicache-bf16", env=env_for("bf16"))
+        "--hicache-ratio", "4", name="hicache-bf16", env=env_for("bf16"), wait=False)
     yield server
     fleet.retire(server)
 
 
 @pytest.fixture(scope="module")
-def hicache_off(fleet, tiny_model_dir):
+def hicache(hicache_launched):
+    return hicache_launched.ready()
+
+
+@pytest.fixture(scope="module")
+def hicache_off_launched(fleet, tiny_model_dir):
     server = fleet.server(tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS,
-                          name="hicache-off-bf16", env=env_for("bf16"))
+                          name="hicache-off-bf16", env=env_for("bf16"), wait=False)
     yield server
     fleet.retire(server)
+
+
+@pytest.fixture(scope="module")
+def hicache_off(hicache_off_launched):
+    return hicache_off_launched.ready()
+
+
+@pytest.fixture(scope="module")
+def plain_bf16_launched(fleet, tiny_model_dir):
+    """The plain server with bf16 index keys (conftest's `plain` has fp8)."""
+    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-bf16",
+                          env=env_for("bf16"), wait=False)
+    yield server
+    fleet.retire(server)
+
+
+@pytest.fixture(scope="module")
+def plain_bf16(plain_bf16_launched):
+    return plain_bf16_launched.ready()
 
 
 BF16_STEP = 1 / 32  # one bf16 step for values in [4, 8)

@@ -1,14 +1,20 @@
 """Real servers on loopback for end-to-end tests: `launch_server`, PD pairs and the router.
 
 Each process runs in a process group of its own (so a server's scheduler and detokenizer children
-go with it), on a free loopback port, logging into a file; `start` waits for /health (and, for a
+go with it), on a free loopback port, logging into a file; `ready` waits for /health (and, for a
 server, one real generation through /health_generate), and fails at once, with the log's tail,
 if the process exits first. `stop` sends SIGTERM to the group, then SIGKILL after a grace period,
 and waits; a `Fleet` stops everything it started, in reverse order, whatever happened.
 
+A start is mostly one process importing and building on one core: servers launched together
+(`wait=False`, then `ready()`) start side by side on this 2-core machine, and a PD pair's
+prefill, decode and router always do.
+
     with Fleet(tmp) as fleet:
         one = fleet.server(model_dir)                        # python -m sglang.launch_server
         pd = fleet.pd(model_dir)                             # prefill + decode + sglang_router
+        a, b = fleet.server(model_dir, wait=False), fleet.server(model_dir, wait=False)
+        a.ready(), b.ready()                                 # both started at once
         client = one.openai()
 """
 
@@ -37,10 +43,19 @@ STOP_GRACE_S = 20.0
 BASE_ARGS = ["--device", "cpu", "--log-level", "info"]  # --host: Fleet.server
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one handed out before in this process: servers launched
+    together bind theirs only later, and the kernel may offer a released port again."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def _env(extra: dict | None) -> dict:
@@ -82,6 +97,8 @@ class Proc:
     env: dict = field(default_factory=dict)
     popen: subprocess.Popen | None = None
     host: str = "127.0.0.1"  # where this host reaches it
+    ready_paths: tuple[str, ...] = ("/health",)  # what answers 200 once it is up
+    is_ready: bool = False
 
     @property
     def url(self) -> str:
@@ -125,6 +142,13 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def ready(self) -> Proc:
+        """Once its ready paths answer (at once if they did before)."""
+        if not self.is_ready:
+            self.wait_ready(self.ready_paths)
+            self.is_ready = True
+        return self
+
     def wait_ready(self, paths: tuple[str, ...], timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         pending = list(paths)
@@ -163,13 +187,18 @@ class Proc:
                                   f"{self.tail()}")
             time.sleep(0.5)
 
+    def terminate(self) -> None:
+        """SIGTERM to the process group, without waiting (`stop` waits)."""
+        if self.popen is not None and self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+
     def stop(self) -> int | None:
         """End the process group: SIGTERM, then SIGKILL after the grace period. Its exit code."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
+            self.terminate()
             try:
                 self.popen.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
@@ -208,6 +237,17 @@ class PD:
     prefill: Proc
     decode: Proc
     router: Proc
+    is_ready: bool = False
+
+    def ready(self) -> PD:
+        """Once both servers answer and the router has registered them as healthy."""
+        if not self.is_ready:
+            self.prefill.ready()
+            self.decode.ready()
+            self.router.ready()
+            self.router.wait_workers(2)
+            self.is_ready = True
+        return self
 
     @property
     def url(self) -> str:
@@ -234,16 +274,16 @@ class Fleet:
         self.stop_all()
 
     def stop_all(self) -> None:
-        while self.procs:
-            self.procs.pop().stop()
+        procs, self.procs = self.procs[::-1], []
+        _stop_together(procs)
 
     def _start(self, name: str, command: list[str], port: int, env: dict | None,
-               ready: tuple[str, ...], host: str = "127.0.0.1") -> Proc:
-        proc = Proc(name, command, self.workdir / f"{name}.log", port, env or {}, host=host)
+               ready: tuple[str, ...], host: str = "127.0.0.1", wait: bool = True) -> Proc:
+        proc = Proc(name, command, self.workdir / f"{name}.log", port, env or {}, host=host,
+                    ready_paths=ready)
         self.procs.append(proc)
         proc.launch()
-        proc.wait_ready(ready)
-        return proc
+        return proc.ready() if wait else proc
 
     def retire(self, *procs: Proc, clean: bool = True) -> None:
         """Stop servers a test module is done with: each CPU server holds about 2.4 GB here and
@@ -255,14 +295,13 @@ class Fleet:
                 dirty = {n: c for n, c in report.items() if c is None or sum(c.values())}
                 assert not dirty, f"sanitizer violations on retired servers: {dirty}"
         finally:
-            for proc in procs:
-                proc.stop()
+            _stop_together(procs)
 
     def server(self, model_dir: Path | str, *args: str, name: str = "server",
                env: dict | None = None, generate_check: bool = True, guest=None,
-               host: str = "127.0.0.1") -> Proc:
+               host: str = "127.0.0.1", wait: bool = True) -> Proc:
         """A server on this host (listening on `host`), or on `guest` (support.netns.GuestHost,
-        listening on its address)."""
+        listening on its address). With `wait=False` it is launched only: `ready()` waits."""
         port = free_port()
         if guest is not None:
             host = guest.address
@@ -271,13 +310,15 @@ class Fleet:
         if guest is not None:
             command = guest.command(command)
         ready = ("/health", "/health_generate") if generate_check else ("/health",)
-        return self._start(name, command, port, env, ready, host=host)
+        return self._start(name, command, port, env, ready, host=host, wait=wait)
 
     def pd(self, model_dir: Path | str, *args: str, env: dict | None = None,
-           transfer_backend: str = "nixl", name: str = "pd", decode_guest=None) -> PD:
-        """A prefill server, a decode server and sglang_router in PD mode, on loopback; with
-        `decode_guest` (support.netns.GuestHost) the decode runs there, and the prefill listens
-        on the address it advertises to its peers (upstream's get_local_ip_auto)."""
+           transfer_backend: str = "nixl", name: str = "pd", decode_guest=None,
+           wait: bool = True) -> PD:
+        """A prefill server, a decode server and sglang_router in PD mode, on loopback, all three
+        launched at once; with `decode_guest` (support.netns.GuestHost) the decode runs there, and
+        the prefill listens on the address it advertises to its peers (upstream's
+        get_local_ip_auto). With `wait=False` they are launched only: `ready()` waits."""
         bootstrap = free_port()
         common = ["--disaggregation-transfer-backend", transfer_backend, *args]
         prefill_host = "127.0.0.1"
@@ -288,10 +329,10 @@ class Fleet:
         prefill = self.server(model_dir, "--disaggregation-mode", "prefill",
                               "--disaggregation-bootstrap-port", str(bootstrap), *common,
                               name=f"{name}-prefill", env=env, generate_check=False,
-                              host=prefill_host)
+                              host=prefill_host, wait=False)
         decode = self.server(model_dir, "--disaggregation-mode", "decode", *common,
                              name=f"{name}-decode", env=env, generate_check=False,
-                             guest=decode_guest)
+                             guest=decode_guest, wait=False)
         port = free_port()
         router = self._start(
             f"{name}-router",
@@ -301,10 +342,22 @@ class Fleet:
              "--policy", "round_robin",
              # its metrics port too: the default (29000) is taken by any other router here, and
              # a router that cannot bind it never answers at all
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-            port, env, ("/health",))
-        router.wait_workers(2)
-        return PD(prefill, decode, router)
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             # it starts beside its workers and registers them once they answer: look every
+             # second, not every 30 (its default)
+             "--worker-startup-check-interval", "1"],
+            port, env, ("/health",), wait=False)
+        pair = PD(prefill, decode, router)
+        return pair.ready() if wait else pair
+
+
+def _stop_together(procs: list[Proc]) -> None:
+    """Stop processes whose grace periods overlap: SIGTERM to all, then each waited for (and
+    SIGKILLed after its grace period) in turn."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop()
 
 
 # The sanitizer watches all of the suite's traffic: on in every server, every decode step sampled.
