@@ -2,10 +2,11 @@
 session run alone (the seed's class: 60+ concurrent sessions growing long).
 
 Each session shares a system prefix (as agent sessions do) and adds its own turns until its
-context is near 4096 tokens, the model's longest. The prefix is computed once and cached before
-each phase (as a served system prompt is: the sessions find it in the radix cache and prefill
-only their own turns), then all 64 run at once, then each alone (the cache flushed in between
-and the prefix computed again the same way). Batching changes the bf16 GEMM shapes, so exact
+context is near 4096 tokens, the model's longest. All 64 run at once on the plain server; each
+runs alone, one after another, on its twin (same checkpoint, arguments and seed), at the same
+time: the two runs take the machine's two cores together. Both servers have the prefix computed
+once and cached first (as a served system prompt is: the sessions find it in the radix cache and
+prefill only their own turns). Batching changes the bf16 GEMM shapes, so exact
 equality is not guaranteed, and for this model not even closeness after a divergence: its
 logits are flat (the best candidates within a tenth of a nat of each other), and past 2048
 tokens the c4 indexer's top-k keeps about half of the compressed keys, so a rounding difference
@@ -13,7 +14,7 @@ in an index score changes which keys a step attends to. Measured over the 64 ses
 identical, the others diverging where the two choices lay 0.016 to 0.891 nat apart.
 
 What is asserted: every session's every turn is answered in full, and the sanitizer, on with
-sample 1.0 in this server, finds 0 violations over the whole run (each decode step's indexer
+sample 1.0 in both servers, finds 0 violations over the whole run (each decode step's indexer
 reads inside the request's own live pages, each forward's writes into its own pages, no page
 freed or handed out twice): the seed's class, a session reading or writing another's pages,
 is what it names. Reported: the sessions identical to their alone run, and for the others
@@ -26,6 +27,9 @@ import concurrent.futures
 
 import pytest
 from support.live import (
+    POOL_ARGS,
+    SERVER_ARGS,
+    env_for,
     first_divergence,
     generate,
     prompt_ids,
@@ -56,6 +60,20 @@ def test_swap_margin_reads_two_choices_in_both_lists():
     assert swap_margin([(1, -1.0), (2, -1.1)], [(3, -1.0), (1, -1.2)], 1, 3) is None
 
 
+@pytest.fixture(scope="module")
+def twin_launched(fleet, tiny_model_dir):
+    """The plain server's twin: what conftest's `plain` is, under another name."""
+    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-fp8-twin",
+                          env=env_for("fp8"), wait=False)
+    yield server
+    fleet.retire(server)  # its sanitizer found nothing either
+
+
+@pytest.fixture(scope="module")
+def twin(twin_launched):
+    return twin_launched.ready()
+
+
 def _shared_prefix() -> list[int]:
     return prompt_ids(seed=7, length=SHARED)
 
@@ -77,17 +95,18 @@ def _session(target, s: int) -> list[dict]:
     return replies
 
 
-def test_64_concurrent_sessions_agree_with_each_session_alone(plain):
+def test_64_concurrent_sessions_agree_with_each_session_alone(plain, twin):
     longest = SHARED + TURNS * (TURN_TOKENS + REPLY)
     assert longest <= 4096
     _cache_the_prefix(plain)
-    with concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool:
+    _cache_the_prefix(twin)
+    with concurrent.futures.ThreadPoolExecutor(SESSIONS + 1) as pool:
+        each_alone = pool.submit(lambda: [_session(twin, s) for s in range(SESSIONS)])
         together = list(pool.map(lambda s: _session(plain, s), range(SESSIONS)))
+        alone_runs = each_alone.result()
     cached = [turns[0]["cached"] for turns in together]
     identical, divergences = 0, []
-    _cache_the_prefix(plain)
-    for s in range(SESSIONS):
-        alone = _session(plain, s)
+    for s, alone in enumerate(alone_runs):
         for t, (a, b) in enumerate(zip(alone, together[s], strict=True)):
             assert len(a["ids"]) == len(b["ids"]) == REPLY, (s, t, a["ids"], b["ids"])
         for t, (a, b) in enumerate(zip(alone, together[s], strict=True)):
@@ -99,8 +118,8 @@ def test_64_concurrent_sessions_agree_with_each_session_alone(plain):
                 break
         else:
             identical += 1
-    counts = sanitizer_counts(plain)
-    assert counts is not None and sum(counts.values()) == 0, counts
+    counts = {server.name: sanitizer_counts(server) for server in (plain, twin)}
+    assert all(c is not None and sum(c.values()) == 0 for c in counts.values()), counts
     margins = [m for *_, m in divergences if m is not None]
     print(f"64 sessions to {longest} tokens: sanitizer 0 violations; {identical}/{SESSIONS} "
           f"identical to alone; {len(divergences)} diverge (turn, step, margin: "
