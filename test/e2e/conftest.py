@@ -57,29 +57,63 @@ def plain(plain_launched) -> Proc:
     return plain_launched.ready()
 
 
+@pytest.fixture(scope="session")
+def plain_twin_launched(fleet, tiny_model_dir) -> Proc:
+    """The plain server's twin (same checkpoint, arguments and seed): test_sessions runs each
+    session alone on it while all of them run together on the plain server."""
+    return fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-fp8-twin",
+                        env=env_for("fp8"), wait=False)
+
+
+@pytest.fixture(scope="session")
+def plain_twin(plain_twin_launched) -> Proc:
+    return plain_twin_launched.ready()
+
+
 # Servers start side by side: a start is mostly one process importing and building on one core,
 # and this machine has two. A server fixture X that depends on X_launched (launch, no wait) is
-# launched before the first test that needs it: the session's own at the session's start, a
-# module's at the module's start, all of them at once.
-SESSION_SERVERS = ("plain_launched",)
+# launched before the first test that needs it: a module's at the module's start, all at once;
+# the plain server, which nearly every module uses, at the session's start; the session's other
+# servers one module ahead of their first user, once that module's own servers answer (so the
+# start overlaps that module's tests, which mostly keep one core busy or wait).
+AT_SESSION_START = ("plain_launched",)
+SESSION_FIXTURES = ("plain_launched", "plain_twin_launched")  # a module's own: in its file
 
 
 def _launched_names(items) -> list[str]:
     return sorted({n for item in items for n in item.fixturenames if n.endswith("_launched")})
 
 
+def _e2e_modules(items) -> list[list]:
+    """The selected e2e tests, grouped by module, in run order."""
+    here = Path(__file__).parent
+    modules: dict = {}
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            modules.setdefault(item.module, []).append(item)
+    return list(modules.values())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _launch_session_servers(request):
     for name in _launched_names(request.session.items):
-        if name in SESSION_SERVERS:
+        if name in AT_SESSION_START:
             request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _launch_module_servers(request, _launch_session_servers):
-    items = [item for item in request.session.items if item.module is request.module]
-    for name in _launched_names(items):
-        request.getfixturevalue(name)
+    modules = _e2e_modules(request.session.items)
+    index = next(i for i, tests in enumerate(modules) if tests[0].module is request.module)
+    own = [request.getfixturevalue(name) for name in _launched_names(modules[index])]
+    if index + 1 < len(modules):
+        ahead = [name for name in _launched_names(modules[index + 1])
+                 if name not in _launched_names(modules[index]) and name in SESSION_FIXTURES]
+        if ahead:
+            for server in own:
+                server.ready()
+            for name in ahead:
+                request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +125,7 @@ def sanitized_servers() -> list:
 @pytest.fixture(autouse=True)
 def _note_servers(request, sanitized_servers):
     yield
-    for name in ("plain", "pd", "hicache", "hicache_off"):
+    for name in ("plain", "plain_twin", "pd", "hicache", "hicache_off"):
         if name in request.fixturenames:
             server = request.getfixturevalue(name)
             targets = [server.prefill, server.decode] if hasattr(server, "decode") else [server]

@@ -47,13 +47,18 @@ HELD_TRANSFER_TOKENS = 2224
 
 
 @pytest.fixture(scope="module")
-def pd(fleet, tiny_model_dir):
+def pd_launched(fleet, tiny_model_dir):
     pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks",
                     forward_hooks(HELD_TOKENS, 20, transfer_tokens=HELD_TRANSFER_TOKENS),
-                    env=env_for("fp8"))
+                    env=env_for("fp8"), wait=False)
     yield pair
     fleet.retire(pair.router, clean=False)  # a router has no sanitizer
     fleet.retire(pair.decode, pair.prefill)
+
+
+@pytest.fixture(scope="module")
+def pd(pd_launched):
+    return pd_launched.ready()
 
 
 def test_pd_gives_the_plain_servers_tokens(pd, plain):

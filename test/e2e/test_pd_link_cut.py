@@ -45,15 +45,18 @@ def guest():
 
 
 @pytest.fixture(scope="module")
-def split(fleet, tiny_model_dir, guest):
+def split_launched(fleet, tiny_model_dir, guest):
     pair = fleet.pd(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, "--forward-hooks",
                     forward_hooks(HELD_TOKENS, HOLD_S),
-                    env=env_for("fp8"), name="pd-guest", decode_guest=guest)
+                    env=env_for("fp8"), name="pd-guest", decode_guest=guest, wait=False)
     yield pair
-    fleet.retire(pair.router, clean=False)  # all before the namespace goes; a router has no
-    fleet.retire(pair.decode, pair.prefill)  # sanitizer
+    fleet.retire(pair.router, clean=False, wait=True)  # all before the namespace goes; a
+    fleet.retire(pair.decode, pair.prefill, wait=True)  # router has no sanitizer
 
 
+@pytest.fixture(scope="module")
+def split(split_launched):
+    return split_launched.ready()
 
 
 def test_a_link_cut_mid_room_writes_nothing_into_the_slots_the_decode_gave_up(split, plain, guest):
