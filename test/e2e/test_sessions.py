@@ -27,9 +27,6 @@ import concurrent.futures
 
 import pytest
 from support.live import (
-    POOL_ARGS,
-    SERVER_ARGS,
-    env_for,
     first_divergence,
     generate,
     prompt_ids,
@@ -60,20 +57,6 @@ def test_swap_margin_reads_two_choices_in_both_lists():
     assert swap_margin([(1, -1.0), (2, -1.1)], [(3, -1.0), (1, -1.2)], 1, 3) is None
 
 
-@pytest.fixture(scope="module")
-def twin_launched(fleet, tiny_model_dir):
-    """The plain server's twin: what conftest's `plain` is, under another name."""
-    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-fp8-twin",
-                          env=env_for("fp8"), wait=False)
-    yield server
-    fleet.retire(server)  # its sanitizer found nothing either
-
-
-@pytest.fixture(scope="module")
-def twin(twin_launched):
-    return twin_launched.ready()
-
-
 def _shared_prefix() -> list[int]:
     return prompt_ids(seed=7, length=SHARED)
 
@@ -95,13 +78,13 @@ def _session(target, s: int) -> list[dict]:
     return replies
 
 
-def test_64_concurrent_sessions_agree_with_each_session_alone(plain, twin):
+def test_64_concurrent_sessions_agree_with_each_session_alone(plain, plain_twin):
     longest = SHARED + TURNS * (TURN_TOKENS + REPLY)
     assert longest <= 4096
     _cache_the_prefix(plain)
-    _cache_the_prefix(twin)
+    _cache_the_prefix(plain_twin)
     with concurrent.futures.ThreadPoolExecutor(SESSIONS + 1) as pool:
-        each_alone = pool.submit(lambda: [_session(twin, s) for s in range(SESSIONS)])
+        each_alone = pool.submit(lambda: [_session(plain_twin, s) for s in range(SESSIONS)])
         together = list(pool.map(lambda s: _session(plain, s), range(SESSIONS)))
         alone_runs = each_alone.result()
     cached = [turns[0]["cached"] for turns in together]
@@ -118,7 +101,7 @@ def test_64_concurrent_sessions_agree_with_each_session_alone(plain, twin):
                 break
         else:
             identical += 1
-    counts = {server.name: sanitizer_counts(server) for server in (plain, twin)}
+    counts = {server.name: sanitizer_counts(server) for server in (plain, plain_twin)}
     assert all(c is not None and sum(c.values()) == 0 for c in counts.values()), counts
     margins = [m for *_, m in divergences if m is not None]
     print(f"64 sessions to {longest} tokens: sanitizer 0 violations; {identical}/{SESSIONS} "
