@@ -102,7 +102,7 @@ def _launch_session_servers(request):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _launch_module_servers(request, _launch_session_servers):
+def _launch_module_servers(request, fleet, _launch_session_servers):
     modules = _e2e_modules(request.session.items)
     index = next(i for i, tests in enumerate(modules) if tests[0].module is request.module)
     own = [request.getfixturevalue(name) for name in _launched_names(modules[index])]
@@ -114,6 +114,12 @@ def _launch_module_servers(request, _launch_session_servers):
                 server.ready()
             for name in ahead:
                 request.getfixturevalue(name)
+    yield
+    if index + 1 == len(modules):
+        # After the last e2e module the session's servers would only hold memory (some 2.4 GB
+        # each) while the rest of the run goes on.
+        used = [n for n in _launched_names(request.session.items) if n in SESSION_FIXTURES]
+        fleet.retire(*(request.getfixturevalue(name) for name in used))
 
 
 @pytest.fixture(scope="session")

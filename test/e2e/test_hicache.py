@@ -55,13 +55,18 @@ SMALL_POOL_ARGS = ("--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-
                    "--max-running-requests", str(RUNNING), "--chunked-prefill-size", "256")
 
 
-@pytest.fixture(scope="module")
-def hicache_launched(fleet, tiny_model_dir):
-    server = fleet.server(
-        tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS, "--enable-hierarchical-cache",
-        "--hicache-ratio", "4", name="hicache-bf16", env=env_for("bf16"), wait=False)
+def _bf16_server(fleet, tiny_model_dir, name: str, *args: str):
+    """A module's server with bf16 index keys: launched, retired (checked clean) at the end."""
+    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *args, name=name, env=env_for("bf16"),
+                          wait=False)
     yield server
     fleet.retire(server)
+
+
+@pytest.fixture(scope="module")
+def hicache_launched(fleet, tiny_model_dir):
+    yield from _bf16_server(fleet, tiny_model_dir, "hicache-bf16", *SMALL_POOL_ARGS,
+                            "--enable-hierarchical-cache", "--hicache-ratio", "4")
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +76,7 @@ def hicache(hicache_launched):
 
 @pytest.fixture(scope="module")
 def hicache_off_launched(fleet, tiny_model_dir):
-    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *SMALL_POOL_ARGS,
-                          name="hicache-off-bf16", env=env_for("bf16"), wait=False)
-    yield server
-    fleet.retire(server)
+    yield from _bf16_server(fleet, tiny_model_dir, "hicache-off-bf16", *SMALL_POOL_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +87,7 @@ def hicache_off(hicache_off_launched):
 @pytest.fixture(scope="module")
 def plain_bf16_launched(fleet, tiny_model_dir):
     """The plain server with bf16 index keys (conftest's `plain` has fp8)."""
-    server = fleet.server(tiny_model_dir, *SERVER_ARGS, *POOL_ARGS, name="plain-bf16",
-                          env=env_for("bf16"), wait=False)
-    yield server
-    fleet.retire(server)
+    yield from _bf16_server(fleet, tiny_model_dir, "plain-bf16", *POOL_ARGS)
 
 
 @pytest.fixture(scope="module")
