@@ -301,8 +301,6 @@ class Fleet:
                 dirty = {n: c for n, c in report.items() if c is None or sum(c.values())}
                 assert not dirty, f"sanitizer violations on retired servers: {dirty}"
         finally:
-            for proc in procs:
-                proc.terminate()
             if wait:
                 _stop_together(list(procs))
             else:
