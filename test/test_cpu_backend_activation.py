@@ -166,3 +166,33 @@ def test_a_cpu_server_command_line_without_a_pool_size_gets_the_default_pool(dsv
     other = ["/usr/bin/pytest", "-q"]
     cpu_backend._default_pool(other)
     assert other == ["/usr/bin/pytest", "-q"]
+
+
+def test_a_cpu_server_command_line_gets_sleep_on_idle_unless_it_says_otherwise(dsv4_dir):
+    """Upstream's idle scheduler polls its sockets without pause unless given --sleep-on-idle; a
+    CPU server gets the flag, read by upstream's own parser. SGLANG_DSV4_CPU_SLEEP_ON_IDLE=0 and a
+    --config file (upstream's only way to say false for a store_true flag) keep upstream's
+    default; a bad value is refused."""
+    from sglang.srt.server_args import prepare_server_args
+
+    launcher = os.path.join(os.path.dirname(sglang.__file__), "launch_server.py")
+    base = [launcher, "--model-path", str(dsv4_dir), "--device", "cpu"]
+    argv = list(base)
+    cpu_backend._default_sleep_on_idle(argv, {})
+    assert prepare_server_args(argv[1:]).sleep_on_idle is True
+    assert prepare_server_args(base[1:]).sleep_on_idle is False  # upstream's default
+    given = [*base, "--sleep-on-idle"]
+    cpu_backend._default_sleep_on_idle(given, {})
+    assert given.count("--sleep-on-idle") == 1
+    for environ in ({cpu_backend.SLEEP_ENV: "0"}, {cpu_backend.SLEEP_ENV: "off"}):
+        kept = list(base)
+        cpu_backend._default_sleep_on_idle(kept, environ)
+        assert kept == base
+    configured = [*base, "--config", "server.yaml"]
+    cpu_backend._default_sleep_on_idle(configured, {})
+    assert configured == [*base, "--config", "server.yaml"]
+    with pytest.raises(ValueError, match=cpu_backend.SLEEP_ENV):
+        cpu_backend._default_sleep_on_idle(list(base), {cpu_backend.SLEEP_ENV: "maybe"})
+    other = ["/usr/bin/pytest", "-q"]
+    cpu_backend._default_sleep_on_idle(other, {})
+    assert other == ["/usr/bin/pytest", "-q"]

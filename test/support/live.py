@@ -143,6 +143,20 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the live processes of its group (from /proc)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:  # the process exited meanwhile
+                continue
+            # After the command: state, ppid, pgrp, ..., utime (12th), stime (13th).
+            if self.popen is not None and int(fields[2]) == self.popen.pid:
+                total += int(fields[11]) + int(fields[12])
+        return total / ticks
+
     def ready(self) -> Proc:
         """Once its ready paths answer (at once if they did before)."""
         if not self.is_ready:
@@ -377,11 +391,10 @@ SANITIZED = {"SGLANG_DSV4_SANITIZE": "1", "SGLANG_DSV4_SANITIZE_SAMPLE": "1.0"}
 # Metrics carry the sanitizer's counter; a fixed seed for anything the server samples.
 # A CPU forward of a long prompt can outlast upstream's watchdogs (300 s), which would kill the
 # server mid-request: they are lengthened, not a speed bound.
-# An idle scheduler polls its queues without sleeping (about half a core each here): with
-# --sleep-on-idle it waits on its sockets instead, so the servers a test is not using leave the
-# CPU to the one it is.
+# No --sleep-on-idle: the plugin gives every CPU server that flag by itself (an idle upstream
+# scheduler polls its queues without pause), and test_single checks the plain server rests.
 SERVER_ARGS = ("--enable-metrics", "--random-seed", "0", "--watchdog-timeout", "3600",
-               "--soft-watchdog-timeout", "3600", "--sleep-on-idle")
+               "--soft-watchdog-timeout", "3600")
 # The pools: on the CPU upstream sizes them from the host's free memory (some 14 GB here, which
 # the sanitizer's start-up poisoning would touch page by page). The suite's servers take what
 # its traffic needs: 64 sessions of up to 4096 tokens sharing a 3500-token prefix, each running

@@ -39,7 +39,10 @@ are registered and moved as host memory and a prefill's early send of a cached p
 CUDA event (`nixl_hooks`); its NIXL progress threads wait when idle instead of polling a core
 flat out (`nixl_progress`). A HiCache server's host pools are plain host memory and their pages
 move by torch copies (`hicache_hooks`). A launch_server command line
-that sizes no KV pool gets `--max-total-tokens DEFAULT_POOL_TOKENS` (`_default_pool`).
+that sizes no KV pool gets `--max-total-tokens DEFAULT_POOL_TOKENS` (`_default_pool`), and one
+without `--sleep-on-idle` gets it, so an idle CPU server waits on its sockets instead of polling a
+core flat out (`_default_sleep_on_idle`; SGLANG_DSV4_CPU_SLEEP_ON_IDLE=0 or a `--config` file
+keeps upstream's default).
 """
 
 from __future__ import annotations
@@ -100,6 +103,12 @@ PLATFORM_FACTS = {"is_sm120": True}
 # --max-total-tokens, --mem-fraction-static or --config on the command line keep upstream's sizing.
 DEFAULT_POOL_TOKENS = 256 * 4096
 _POOL_FLAGS = ("--max-total-tokens", "--mem-fraction-static", "--config")
+# Upstream's scheduler polls its sockets without pause when it has no work unless started with
+# --sleep-on-idle (a server idle for 69 minutes on a 2-core machine burnt one core all along).
+# A CPU server gets the flag unless this variable is 0 or a --config file decides (upstream's
+# flag is store_true: a config file is the only way upstream has to say false explicitly).
+SLEEP_ENV = "SGLANG_DSV4_CPU_SLEEP_ON_IDLE"
+_SLEEP_FLAG = "--sleep-on-idle"
 
 _state = {"on": False, "reason": "the dsv4_sm120 plugin did not run", "platform": None}
 
@@ -164,6 +173,7 @@ def entries(argv: list[str] | None = None, environ=None) -> tuple:
         environ[name] = value
     if argv is None:  # this process's own command line, not a caller's list
         _default_pool(sys.argv)
+        _default_sleep_on_idle(sys.argv, environ)
     entries = [_entry(ID, MODULE, UPSTREAM_MODULES)]
     if (environ.get(TRITON_ENV) or "").strip() == "1":
         entries.append(_entry("cpu-backend-triton", "sglang_dsv4.cpu_backend.triton_hooks",
@@ -187,13 +197,36 @@ def _default_pool(argv: list[str]) -> None:
     """Add `--max-total-tokens DEFAULT_POOL_TOKENS` to a launch_server command line that sizes no
     pool (upstream's launcher parses `sys.argv` after loading the plugins; its schedulers get the
     parsed arguments)."""
-    if not argv or not os.path.basename(argv[0]).removesuffix(".py").endswith("launch_server"):
+    if not _is_launch_server(argv):
         return
     if any(a == f or a.startswith(f + "=") for a in argv[1:] for f in _POOL_FLAGS):
         return
     argv += ["--max-total-tokens", str(DEFAULT_POOL_TOKENS)]
     logger.info("sglang-dsv4 cpu backend: --max-total-tokens %d (no pool size given)",
                 DEFAULT_POOL_TOKENS)
+
+
+def _default_sleep_on_idle(argv: list[str], environ=None) -> None:
+    """Add `--sleep-on-idle` to a launch_server command line that does not set it, unless
+    SGLANG_DSV4_CPU_SLEEP_ON_IDLE=0 or a `--config` file carries the server's settings."""
+    environ = os.environ if environ is None else environ
+    if not _is_launch_server(argv):
+        return
+    value = (environ.get(SLEEP_ENV) or "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return
+    if value not in ("1", "true", "yes", "on"):
+        raise ValueError(f"{SLEEP_ENV}={environ.get(SLEEP_ENV)!r}: use 1 or 0")
+    given = argv[1:]
+    if _SLEEP_FLAG in given or any(a == "--config" or a.startswith("--config=") for a in given):
+        return
+    argv.append(_SLEEP_FLAG)
+    logger.info("sglang-dsv4 cpu backend: %s (an idle CPU server waits on its sockets)",
+                _SLEEP_FLAG)
+
+
+def _is_launch_server(argv: list[str]) -> bool:
+    return bool(argv) and os.path.basename(argv[0]).removesuffix(".py").endswith("launch_server")
 
 
 def _entry(entry_id: str, module: str, upstream_modules: tuple[str, ...]):
