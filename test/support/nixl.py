@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import queue
 import threading
 import time
+import traceback
 from collections import defaultdict
 
 import numpy as np
@@ -77,12 +79,50 @@ def new_room() -> int:
 HANG_GUARD_S = 120.0
 
 
+# A wait also ends once what would make its predicate true is gone: an upstream NIXL control
+# thread of this test died raising (on a tree without the fix one bad message kills it, and
+# nothing restarts it). The thread's death reaches threading.excepthook; the wait then polls on
+# for DEATH_GRACE_S only (a peer thread of another manager may still serve), instead of sitting
+# out the hang guard. With the fix no control thread dies raising, so no wait is cut short.
+DEATH_GRACE_S = 5.0
+_UPSTREAM_NIXL = "sglang/srt/disaggregation/"
+_control_thread_deaths: dict[str, list[tuple[float, str]]] = defaultdict(list)  # test -> deaths
+_previous_excepthook = threading.excepthook
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
+
+
+def _record_control_thread_death(args) -> None:
+    frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
+    if any(_UPSTREAM_NIXL in frame.filename for frame in frames):
+        name = args.thread.name if args.thread is not None else "a thread"
+        why = f"{name} died: {args.exc_type.__name__}: {args.exc_value}"
+        _control_thread_deaths[_current_test()].append((time.monotonic(), why))
+    _previous_excepthook(args)
+
+
+threading.excepthook = _record_control_thread_death
+
+
+def control_thread_deaths() -> list[str]:
+    """The upstream NIXL control threads that died raising during the current test."""
+    return [why for _, why in _control_thread_deaths.get(_current_test(), ())]
+
+
 def wait_until(predicate, timeout_s: float = 3.0, poll_s: float = 0.002) -> bool:
-    """Poll `predicate` until it holds; False after max(timeout_s, HANG_GUARD_S)."""
-    deadline = time.monotonic() + max(timeout_s, HANG_GUARD_S)
+    """Poll `predicate` until it holds; False after max(timeout_s, HANG_GUARD_S), or
+    DEATH_GRACE_S after an upstream NIXL control thread of this test died raising."""
+    started = time.monotonic()
+    deadline = started + max(timeout_s, HANG_GUARD_S)
+    test = _current_test()
     while time.monotonic() < deadline:
         if predicate():
             return True
+        deaths = _control_thread_deaths.get(test)
+        if deaths:
+            deadline = min(deadline, max(deaths[0][0], started) + DEATH_GRACE_S)
         time.sleep(poll_s)
     return predicate()
 
