@@ -227,3 +227,33 @@ def test_already_upstream_is_decided_by_the_kind_of_reason_not_its_words():
         fact = rebase_check.FixFacts(fix.id, "m", fix.tests, ["p.patch"])
         fact.precheck = Reason(problem, words)
         assert rebase_check.decide(fix, fact, "9.9.9", tests_run=False).verdict == expected
+
+
+@pytest.mark.parametrize("skip", [[], ["pool-sizing-bf16"]], ids=["all fixes", "fix skipped"])
+def test_plugin_results_read_from_junit_are_what_the_plugin_delivery_runs(pinned, tmp_path, skip):
+    """CI's test command already ran the behaviour tests with the plugin on the pin; rebase-check
+    reads the plugin delivery from its JUnit report instead of running them a third time. Both
+    readings of the same real run agree, passes and failures alike (a skipped fix fails its
+    tests here), and a report that lacks a file, or a tree that is not the installed release,
+    is refused with one line."""
+    file = "test/behaviour/test_pool_sizing.py"
+    env = rebase_check._env(pinned, plugin=True, skip=skip)
+    junit = tmp_path / "tests.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", file,
+         f"--junitxml={junit}"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )
+    read = rebase_check.read_junit(junit, [file], tmp_path / "read")
+    ran = rebase_check.run_tests(pinned, [file], True, skip, tmp_path / "ran")
+    assert read == ran
+    assert bool(read[file]["failed"]) == bool(skip), read
+    assert read[file]["passed"] or read[file]["failed"]
+    with pytest.raises(rebase_check.RebaseCheckError, match="holds no outcome of test/behaviour/x"):
+        rebase_check.read_junit(junit, [file, "test/behaviour/x.py"], tmp_path / "missing")
+
+
+def test_plugin_results_of_another_release_are_refused(tmp_path):
+    previous = upstream.fetch_upstream(PREVIOUS_RELEASE)
+    with pytest.raises(rebase_check.RebaseCheckError, match="installed sglang 0.5.23, not"):
+        rebase_check.check(previous, tests=True, plugin_results=tmp_path / "tests.xml")

@@ -209,6 +209,62 @@ def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str],
     return results
 
 
+def read_junit(junit: Path, files: list[str], out: Path):
+    """The plugin delivery's outcomes, read from a JUnit XML report of a pytest run that already
+    ran these files with the plugin on the same upstream release (the README's test command, in
+    CI), in `run_tests`' shape: the same tests are not run twice. Every file must be in it."""
+    import xml.etree.ElementTree as ElementTree
+
+    try:
+        root = ElementTree.parse(junit).getroot()
+    except (OSError, ElementTree.ParseError) as exc:
+        raise RebaseCheckError(f"--plugin-results {junit}: {_one_line(exc)}") from exc
+    results = {f: {"passed": [], "failed": []} for f in files}
+    lines = [f"plugin delivery: outcomes read from {junit}, not run again"]
+    for case in root.iter("testcase"):
+        module = case.get("classname", "").split(".")
+        # classname "test.behaviour.test_x" (or "...test_x.TestClass"): the longest prefix that
+        # names one of the files.
+        file = next(
+            (
+                "/".join(module[:n]) + ".py"
+                for n in range(len(module), 0, -1)
+                if "/".join(module[:n]) + ".py" in results
+            ),
+            None,
+        )
+        if file is None:
+            continue
+        prefix = ".".join(module[len(file[:-3].split("/")) :])
+        name = f"{prefix}::{case.get('name')}" if prefix else case.get("name")
+        failure = next((c.tag for c in case if c.tag in ("failure", "error")), None)
+        if failure:
+            results[file]["failed"].append(
+                f"{name} ({'failed' if failure == 'failure' else 'error'})"
+            )
+            lines.append(f"{file}::{name} FAILED")
+        elif not any(c.tag == "skipped" for c in case):
+            results[file]["passed"].append(name)
+            lines.append(f"{file}::{name} PASSED")
+    missing = [f for f in files if not results[f]["passed"] and not results[f]["failed"]]
+    if missing:
+        raise RebaseCheckError(
+            f"--plugin-results {junit} holds no outcome of {', '.join(missing)}: run the tests "
+            "with the plugin there, or leave the option out"
+        )
+    out.with_suffix(".log").write_text("\n".join(lines) + "\n")
+    return results
+
+
+def _installed_upstream_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 # --- patches on a copy of the tree --------------------------------------------------------------
 
 
@@ -322,10 +378,19 @@ def check(
     tests: bool = True,
     series: Series | None = None,
     logs: Path | None = None,
+    plugin_results: Path | None = None,
 ) -> tuple[str, list[Verdict]]:
     """The tree's version and one verdict per fix (register order, or the ids in `only`).
-    With `logs`, each delivery's pytest output is kept there (`<delivery>.log`)."""
+    With `logs`, each delivery's pytest output is kept there (`<delivery>.log`). With
+    `plugin_results` (JUnit XML of the behaviour tests already run with the plugin installed on
+    this same release), the plugin delivery reads its outcomes from there instead of running
+    the tests again; it must be the installed release, and no fix may be left out."""
     version = upstream.tree_version(python_dir)
+    if plugin_results is not None and _installed_upstream_version() != version:
+        raise RebaseCheckError(
+            f"--plugin-results: the tests there ran on the installed sglang "
+            f"{_installed_upstream_version()}, not on the tree's {version}"
+        )
     fixes = register()
     known = {fix.id for fix, _ in fixes}
     unknown = sorted(set(only or ()) - known)
@@ -362,7 +427,16 @@ def check(
                 "plugin": (python_dir, True),
             }
             for delivery, (tree, plugin) in deliveries.items():
-                result = run_tests(tree, files, plugin, unfit, work / delivery)
+                if delivery == "plugin" and plugin_results is not None:
+                    if unfit:  # that run applied every fix; this delivery leaves some out
+                        raise RebaseCheckError(
+                            f"--plugin-results: {', '.join(unfit)} cannot be judged by tests "
+                            "here, so the plugin delivery must run without them; leave the "
+                            "option out"
+                        )
+                    result = read_junit(plugin_results, files, work / delivery)
+                else:
+                    result = run_tests(tree, files, plugin, unfit, work / delivery)
                 if logs is not None:
                     logs.mkdir(parents=True, exist_ok=True)
                     shutil.copy(work / f"{delivery}.log", logs / f"{delivery}.log")
@@ -399,6 +473,14 @@ def add_arguments(parser) -> None:
         metavar="DIR",
         help="keep each delivery's pytest output in DIR (pristine.log, patched.log, plugin.log)",
     )
+    parser.add_argument(
+        "--plugin-results",
+        type=Path,
+        metavar="JUNIT_XML",
+        help="the plugin delivery's outcomes from this pytest JUnit XML report of a run with "
+        "the plugin installed on the same release (CI: the test command's), instead of "
+        "running the behaviour tests a third time",
+    )
 
 
 def run(args) -> int:
@@ -407,7 +489,13 @@ def run(args) -> int:
             python_dir = upstream.fetch_upstream(args.version)
         else:
             python_dir = upstream.python_dir_of(args.upstream_src)
-        version, verdicts = check(python_dir, args.fix, tests=not args.no_tests, logs=args.logs)
+        version, verdicts = check(
+            python_dir,
+            args.fix,
+            tests=not args.no_tests,
+            logs=args.logs,
+            plugin_results=args.plugin_results,
+        )
     except (upstream.ExportError, RebaseCheckError) as exc:
         print(f"sglang-dsv4 rebase-check: error: {exc}", file=sys.stderr)
         return 2
