@@ -167,7 +167,9 @@ def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str],
     crashed: set[str] = set()  # files whose remaining tests did not run
     log = []
     while remaining := [f for f in files if f not in crashed]:
+        # --durations: each delivery's log says which test waited how long.
         cmd = [sys.executable, "-m", "pytest", "-v", "--no-header", "-p", "no:cacheprovider"]
+        cmd += ["--durations=30", "--durations-min=1.0"]
         cmd += [*remaining, *(f"--deselect={node}" for node in outcomes)]
         proc = subprocess.run(
             cmd, capture_output=True, text=True, env=_env(python_dir, plugin, skip), cwd=REPO_ROOT
