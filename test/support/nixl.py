@@ -86,7 +86,7 @@ HANG_GUARD_S = 120.0
 # out the hang guard. With the fix no control thread dies raising, so no wait is cut short.
 DEATH_GRACE_S = 5.0
 _UPSTREAM_NIXL = "sglang/srt/disaggregation/"
-_control_thread_deaths: dict[str, list[tuple[float, str]]] = defaultdict(list)  # test -> deaths
+_first_control_thread_death: dict[str, float] = {}  # test -> when (monotonic)
 _previous_excepthook = threading.excepthook
 
 
@@ -97,18 +97,11 @@ def _current_test() -> str:
 def _record_control_thread_death(args) -> None:
     frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
     if any(_UPSTREAM_NIXL in frame.filename for frame in frames):
-        name = args.thread.name if args.thread is not None else "a thread"
-        why = f"{name} died: {args.exc_type.__name__}: {args.exc_value}"
-        _control_thread_deaths[_current_test()].append((time.monotonic(), why))
+        _first_control_thread_death.setdefault(_current_test(), time.monotonic())
     _previous_excepthook(args)
 
 
 threading.excepthook = _record_control_thread_death
-
-
-def control_thread_deaths() -> list[str]:
-    """The upstream NIXL control threads that died raising during the current test."""
-    return [why for _, why in _control_thread_deaths.get(_current_test(), ())]
 
 
 def wait_until(predicate, timeout_s: float = 3.0, poll_s: float = 0.002) -> bool:
@@ -120,9 +113,9 @@ def wait_until(predicate, timeout_s: float = 3.0, poll_s: float = 0.002) -> bool
     while time.monotonic() < deadline:
         if predicate():
             return True
-        deaths = _control_thread_deaths.get(test)
-        if deaths:
-            deadline = min(deadline, max(deaths[0][0], started) + DEATH_GRACE_S)
+        died = _first_control_thread_death.get(test)
+        if died is not None:
+            deadline = min(deadline, max(died, started) + DEATH_GRACE_S)
         time.sleep(poll_s)
     return predicate()
 

@@ -109,6 +109,7 @@ _POOL_FLAGS = ("--max-total-tokens", "--mem-fraction-static", "--config")
 # flag is store_true: a config file is the only way upstream has to say false explicitly).
 SLEEP_ENV = "SGLANG_DSV4_CPU_SLEEP_ON_IDLE"
 _SLEEP_FLAG = "--sleep-on-idle"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 _state = {"on": False, "reason": "the dsv4_sm120 plugin did not run", "platform": None}
 
@@ -140,9 +141,9 @@ def decide(argv: list[str] | None = None, environ=None) -> tuple[bool, str]:
     environ = os.environ if environ is None else environ
     argv = sys.argv if argv is None else argv
     value = (environ.get(ENV) or "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in _ON:
         return True, f"{ENV}={environ.get(ENV)}"
-    if value in ("0", "false", "no", "off"):
+    if value in _OFF:
         return False, f"{ENV}={environ.get(ENV)}"
     if value:
         raise ValueError(f"{ENV}={environ.get(ENV)!r}: use 1 or 0")
@@ -199,7 +200,7 @@ def _default_pool(argv: list[str]) -> None:
     parsed arguments)."""
     if not _is_launch_server(argv):
         return
-    if any(a == f or a.startswith(f + "=") for a in argv[1:] for f in _POOL_FLAGS):
+    if _gives_any(argv, _POOL_FLAGS):
         return
     argv += ["--max-total-tokens", str(DEFAULT_POOL_TOKENS)]
     logger.info("sglang-dsv4 cpu backend: --max-total-tokens %d (no pool size given)",
@@ -213,12 +214,11 @@ def _default_sleep_on_idle(argv: list[str], environ=None) -> None:
     if not _is_launch_server(argv):
         return
     value = (environ.get(SLEEP_ENV) or "1").strip().lower()
-    if value in ("0", "false", "no", "off"):
+    if value in _OFF:
         return
-    if value not in ("1", "true", "yes", "on"):
+    if value not in _ON:
         raise ValueError(f"{SLEEP_ENV}={environ.get(SLEEP_ENV)!r}: use 1 or 0")
-    given = argv[1:]
-    if _SLEEP_FLAG in given or any(a == "--config" or a.startswith("--config=") for a in given):
+    if _gives_any(argv, (_SLEEP_FLAG, "--config")):
         return
     argv.append(_SLEEP_FLAG)
     logger.info("sglang-dsv4 cpu backend: %s (an idle CPU server waits on its sockets)",
@@ -227,6 +227,11 @@ def _default_sleep_on_idle(argv: list[str], environ=None) -> None:
 
 def _is_launch_server(argv: list[str]) -> bool:
     return bool(argv) and os.path.basename(argv[0]).removesuffix(".py").endswith("launch_server")
+
+
+def _gives_any(argv: list[str], flags: tuple[str, ...]) -> bool:
+    """Whether the command line (after the program) sets one of `flags` (`--f v` or `--f=v`)."""
+    return any(a == f or a.startswith(f + "=") for a in argv[1:] for f in flags)
 
 
 def _entry(entry_id: str, module: str, upstream_modules: tuple[str, ...]):

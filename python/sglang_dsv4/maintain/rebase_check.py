@@ -226,19 +226,12 @@ def read_junit(junit: Path, files: list[str], out: Path):
     for case in root.iter("testcase"):
         module = case.get("classname", "").split(".")
         # classname "test.behaviour.test_x" (or "...test_x.TestClass"): the longest prefix that
-        # names one of the files.
-        file = next(
-            (
-                "/".join(module[:n]) + ".py"
-                for n in range(len(module), 0, -1)
-                if "/".join(module[:n]) + ".py" in results
-            ),
-            None,
-        )
-        if file is None:
+        # names one of the files; what follows it is the class.
+        n = next((n for n in range(len(module), 0, -1) if _as_file(module[:n]) in results), 0)
+        if not n:
             continue
-        prefix = ".".join(module[len(file[:-3].split("/")) :])
-        name = f"{prefix}::{case.get('name')}" if prefix else case.get("name")
+        file, within = _as_file(module[:n]), ".".join(module[n:])
+        name = f"{within}::{case.get('name')}" if within else case.get("name")
         failure = next((c.tag for c in case if c.tag in ("failure", "error")), None)
         if failure:
             results[file]["failed"].append(
@@ -256,6 +249,10 @@ def read_junit(junit: Path, files: list[str], out: Path):
         )
     out.with_suffix(".log").write_text("\n".join(lines) + "\n")
     return results
+
+
+def _as_file(parts: list[str]) -> str:
+    return "/".join(parts) + ".py"
 
 
 def _installed_upstream_version() -> str | None:
@@ -388,10 +385,11 @@ def check(
     this same release), the plugin delivery reads its outcomes from there instead of running
     the tests again; it must be the installed release, and no fix may be left out."""
     version = upstream.tree_version(python_dir)
-    if plugin_results is not None and _installed_upstream_version() != version:
+    installed = _installed_upstream_version()
+    if plugin_results is not None and installed != version:
         raise RebaseCheckError(
-            f"--plugin-results: the tests there ran on the installed sglang "
-            f"{_installed_upstream_version()}, not on the tree's {version}"
+            f"--plugin-results: the tests there ran on the installed sglang {installed}, "
+            f"not on the tree's {version}"
         )
     fixes = register()
     known = {fix.id for fix, _ in fixes}
@@ -422,6 +420,12 @@ def check(
         # Tests decide only between needed and already upstream: a fix judged from its targets
         # and patch (broken, or its patch already applied) needs no test run.
         files = [t for f in chosen if f.id not in unfit for t in f.tests]
+        if tests and files and plugin_results is not None and unfit:
+            # That run applied every fix; the plugin delivery here must leave some out.
+            raise RebaseCheckError(
+                f"--plugin-results: {', '.join(unfit)} cannot be judged by tests here, so the "
+                "plugin delivery must run without them; leave the option out"
+            )
         if tests and files:
             deliveries = {
                 "pristine": (python_dir, False),
@@ -430,12 +434,6 @@ def check(
             }
             for delivery, (tree, plugin) in deliveries.items():
                 if delivery == "plugin" and plugin_results is not None:
-                    if unfit:  # that run applied every fix; this delivery leaves some out
-                        raise RebaseCheckError(
-                            f"--plugin-results: {', '.join(unfit)} cannot be judged by tests "
-                            "here, so the plugin delivery must run without them; leave the "
-                            "option out"
-                        )
                     result = read_junit(plugin_results, files, work / delivery)
                 else:
                     result = run_tests(tree, files, plugin, unfit, work / delivery)
