@@ -23,6 +23,7 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from support.nixl import (
     ABORTED,
+    HOST,
     FailingSocket,
     Peer,
     Sender,
@@ -77,6 +78,27 @@ def decode_failed(decode, room, within_s=1.0) -> bool:
     return wait_until(lambda: decode.request_status[room] == KVPoll.Failed, within_s)
 
 
+def decode_failed_by_now(prefill, decode, room) -> bool:
+    """Whether the decode has failed `room` once all that the prefill sent it so far has arrived.
+
+    For a failure the prefill sends from this thread (update_status): a marker status sent after
+    it, through upstream's own send_kv_status_message to the same decode endpoint (so on the same
+    cached socket, in order), is applied by the decode's one listener thread after it. The wait
+    ends on the marker, which every tree delivers; on a tree whose prefill never sends the
+    failure the answer is False then, not at the hang guard.
+    """
+    marker = new_room()
+    open_room_on(decode, marker, KVPoll.WaitingForInput)
+    prefill.send_kv_status_message(
+        targets=[(HOST, decode.rank_port)],
+        bootstrap_room=marker,
+        status=KVPoll.Failed,
+        failure_reason="marker",
+    )
+    assert wait_until(lambda: decode.request_status[marker] == KVPoll.Failed), "marker lost"
+    return decode.request_status[room] == KVPoll.Failed
+
+
 def test_death_reaches_decode_even_for_a_transfer_info_that_comes_later(pd):
     """A room the prefill failed when its thread died, then cleared by the scheduler, still
     answers the decode's transfer info that arrives after: the decode fails within a second."""
@@ -105,7 +127,7 @@ def test_a_prefill_side_failure_tells_the_decode_with_its_reason(pd):
     # As CommonKVSender.abort fails it (an AbortReq on the prefill, a client that went away).
     prefill.record_failure(room, "Aborted by AbortReq.")
     prefill.update_status(room, KVPoll.Failed)
-    assert decode_failed(decode, room)
+    assert decode_failed_by_now(prefill, decode, room)
     assert decode.failure_records[room] == "Aborted by AbortReq."
 
 
@@ -124,7 +146,7 @@ def test_a_decode_abort_is_not_echoed_back(pd):
     assert wait_until(lambda: prefill.request_status[later] == KVPoll.WaitingForInput)
     prefill.record_failure(later, "marker")
     prefill.update_status(later, KVPoll.Failed)
-    assert decode_failed(decode, later)
+    assert decode_failed_by_now(prefill, decode, later)
     assert decode.failure_records[room] == "Aborted by AbortReq."
 
 

@@ -75,13 +75,20 @@ def test_kill_prefill_mid_room_decode_fails_fast_and_a_restarted_prefill_serves(
         assert served["freed"]
 
         # A failure on the prefill's side reaches the decode process (in well under a second, unloaded).
-        restarted.send("open 103")
-        decode.send("open 103")
-        restarted.room(103, KVPoll.WaitingForInput, 10)
+        # Room 104 is the marker sent after it: once the decode has failed 104, it has all that
+        # the prefill sent about 103 (on a tree whose prefill sends nothing, the test fails then).
+        for room in (103, 104):
+            restarted.send(f"open {room}")
+            decode.send(f"open {room}")
+            restarted.room(room, KVPoll.WaitingForInput, 10)
         t0 = time.monotonic()
         restarted.send("abort 103")
-        failed = decode.room(103, KVPoll.Failed, FAILURE_ARRIVES_S)
-        print(f"prefill abort -> decode room failed in {time.monotonic() - t0:.2f} s")
+        restarted.send("flush 104")
+        decode.room(104, KVPoll.Failed, FAILURE_ARRIVES_S)
+        decode.send("report 103")
+        failed = decode.expect(lambda e: e.get("report") == 103, 10)
+        assert failed["status"] == KVPoll.Failed, f"the prefill's failure did not reach: {failed}"
+        print(f"prefill abort -> decode room failed within {time.monotonic() - t0:.2f} s")
         assert "Aborted by AbortReq." in failed["reason"] and failed["freed"]
     finally:
         for rank in ranks:

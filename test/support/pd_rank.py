@@ -15,9 +15,13 @@ rank's own address in PD_RANK_HOST and, for a decode, the prefill's in PD_RANK_P
 
 A prefill process can be started ahead and held: it imports and configures itself, then waits
 for `start` before it binds anything (how a restarted process is ready within the test's time).
-Commands on stdin, one a line: `start`, `open ROOM`, `finish ROOM`, `abort ROOM`, `peers`
-(prefill), `exit`. Events on stdout, one JSON object a line: {"ready": ...} once serving, then
-{"room", "status", "reason", "freed"} for every change of a room's status.
+Commands on stdin, one a line: `start`, `open ROOM`, `finish ROOM`, `abort ROOM`, `peers`,
+`flush ROOM` (prefill), `report ROOM` (decode), `exit`. Events on stdout, one JSON object a
+line: {"ready": ...} once serving, then {"room", "status", "reason", "freed"} for every change of
+a room's status. `flush ROOM` fails ROOM, a marker open on both sides, on its decodes through
+upstream's own status sender, after every status this prefill sent them before; once the decode
+reports ROOM failed, `report OTHER` ({"report": OTHER, "status", "reason", "freed"}) shows all
+that the prefill had sent about OTHER by then.
 
 KV slots (the quarantine of a failed room's slots), on a decode started with PD_RANK_KV=1:
 `open_kv ROOM` opens the room with real KV slots (DecodeKV below) and sends their pages as its
@@ -291,6 +295,17 @@ def run_prefill(bootstrap_port: int) -> None:
             # As CommonKVSender.abort fails a room (an AbortReq, a client gone).
             mgr.record_failure(int(args[0]), "Aborted by AbortReq.")
             mgr.update_status(int(args[0]), KVPoll.Failed)
+        elif verb == "flush":
+            # A marker: fail room ROOM (open on both sides) on its decodes through upstream's own
+            # status sender, on the sockets this rank's earlier statuses to them took, so the
+            # decode applies it after them (see `report`).
+            room = int(args[0])
+            mgr.send_kv_status_message(
+                targets=[(i.endpoint, i.dst_port) for i in mgr.transfer_infos[room].values()],
+                bootstrap_room=room,
+                status=KVPoll.Failed,
+                failure_reason="marker",
+            )
         elif verb == "peers":
             say(peers=sorted(mgr.decode_kv_args_table))
         elif verb == "inflight":
@@ -377,6 +392,10 @@ def run_decode(bootstrap_port: int) -> None:
         elif verb == "abort":
             with lock:
                 kv.waiting[int(args[0])].kv_receiver.abort()
+        elif verb == "report":
+            room = int(args[0])
+            status, reason, freed = status_of(room)
+            say(report=room, status=int(status), reason=reason, freed=freed)
         elif verb == "kv":
             room = int(args[0])
             with lock:
