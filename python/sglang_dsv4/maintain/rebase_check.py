@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -378,12 +379,14 @@ def check(
     series: Series | None = None,
     logs: Path | None = None,
     plugin_results: Path | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> tuple[str, list[Verdict]]:
     """The tree's version and one verdict per fix (register order, or the ids in `only`).
     With `logs`, each delivery's pytest output is kept there (`<delivery>.log`). With
     `plugin_results` (JUnit XML of the behaviour tests already run with the plugin installed on
     this same release), the plugin delivery reads its outcomes from there instead of running
-    the tests again; it must be the installed release, and no fix may be left out."""
+    the tests again; it must be the installed release, and no fix may be left out. `seconds`
+    receives each delivery's wall-clock seconds, for CI's phase table."""
     version = upstream.tree_version(python_dir)
     installed = _installed_upstream_version()
     if plugin_results is not None and installed != version:
@@ -433,10 +436,13 @@ def check(
                 "plugin": (python_dir, True),
             }
             for delivery, (tree, plugin) in deliveries.items():
+                started = time.monotonic()
                 if delivery == "plugin" and plugin_results is not None:
                     result = read_junit(plugin_results, files, work / delivery)
                 else:
                     result = run_tests(tree, files, plugin, unfit, work / delivery)
+                if seconds is not None:
+                    seconds[delivery] = round(time.monotonic() - started, 1)
                 if logs is not None:
                     logs.mkdir(parents=True, exist_ok=True)
                     shutil.copy(work / f"{delivery}.log", logs / f"{delivery}.log")
@@ -489,12 +495,14 @@ def run(args) -> int:
             python_dir = upstream.fetch_upstream(args.version)
         else:
             python_dir = upstream.python_dir_of(args.upstream_src)
+        seconds: dict[str, float] = {}
         version, verdicts = check(
             python_dir,
             args.fix,
             tests=not args.no_tests,
             logs=args.logs,
             plugin_results=args.plugin_results,
+            seconds=seconds,
         )
     except (upstream.ExportError, RebaseCheckError) as exc:
         print(f"sglang-dsv4 rebase-check: error: {exc}", file=sys.stderr)
@@ -507,6 +515,9 @@ def run(args) -> int:
             "tests_run": not args.no_tests,
             "ok": ok,
             "fixes": [asdict(v) for v in verdicts],
+            # each delivery's wall-clock seconds (the plugin's: reading its report, with
+            # --plugin-results)
+            "seconds": seconds,
         }
         print(json.dumps(report, indent=2))
     else:
