@@ -18,8 +18,10 @@ import shlex
 
 import kubernetes_validate
 import pytest
+import sglang_dsv4
 import test_docker
 import yaml
+from sglang_dsv4 import k8s
 from sglang_dsv4.cli import main
 from test_docker import dry_run, router_argv, server_argv
 
@@ -102,18 +104,22 @@ def groups(docs, role):
     return workload, pods, size
 
 
-def container_env(docs, pod: dict, extra: dict[str, str]) -> dict[str, str]:
-    """The variables the container starts with: its ConfigMaps, then its own env."""
+def container_env(docs, pod: dict, extra: dict[str, str], node_rank: int = 0) -> dict[str, str]:
+    """The variables the container starts with: its ConfigMaps, then its own env (pod fields as
+    Kubernetes fills them: a stand-in address, the worker-index label LWS puts on the pod)."""
     (container,) = pod["spec"]["containers"]
     env = {}
     for source in container.get("envFrom", []):
         env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+    fields = {
+        "status.podIP": "10.0.0.7",
+        "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']": str(node_rank),
+    }
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
-        else:  # a pod field: a stand-in address
-            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-            env[item["name"]] = "10.0.0.7"
+        else:
+            env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return {**env, **extra}
 
 
@@ -234,13 +240,14 @@ def test_servers_start_what_the_plan_computed(manifests, parse_server, capsys):
             gpus = container["resources"]["limits"]["nvidia.com/gpu"]
             assert gpus * nnodes == p["tp"]
             assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+            # What every LWS release injects; the node rank comes from the pod's label instead
+            # (older releases inject no LWS_WORKER_INDEX).
             lws = {
                 "LWS_LEADER_ADDRESS": leader_dns(docs, role, 0).rsplit(".svc.", 1)[0],
                 "LWS_GROUP_SIZE": str(nnodes),
-                "LWS_WORKER_INDEX": str(node_rank),
             }
-            env = container_env(docs, pod, {})
-            args = [expand(a, lws) for a in container["args"]]
+            env = container_env(docs, pod, {}, node_rank)
+            args = [expand(a, {**env, **lws}) for a in container["args"]]
             assert args[0] == role and "command" not in container  # the image's entrypoint
             dtype, argv = server_argv(dry_run(*args[:1], "--dry-run", *args[1:], env=env))
             server = parse_server(argv)
@@ -312,7 +319,7 @@ def test_the_router_reaches_every_server_by_its_pod_name(manifests, parse_server
         env = container_env(
             docs,
             leader,
-            {"LWS_LEADER_ADDRESS": "x", "LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"},
+            {"LWS_LEADER_ADDRESS": "x", "LWS_GROUP_SIZE": "1"},
         )
         server = parse_server(server_argv(dry_run(role, "--dry-run", env=env))[1])
         urls = [
@@ -335,6 +342,30 @@ def test_the_router_reaches_every_server_by_its_pod_name(manifests, parse_server
     assert (
         service["spec"]["ports"][0]["port"] == router.port == container["ports"][0]["containerPort"]
     )
+
+
+def test_images_and_probes_leave_margins_to_upstream_and_the_router(manifests):
+    """The image of this release, pulled only when absent; a liveness probe that outwaits
+    upstream's own /health timeout; a start-up probe that outlasts the router's wait for a
+    server by the stated margin."""
+    from sglang.srt.entrypoints import http_server
+    from sglang_router.router_args import RouterArgs
+
+    _, _, docs = manifests
+    assert k8s.UPSTREAM_HEALTH_CHECK_TIMEOUT_S == http_server.HEALTH_CHECK_TIMEOUT
+    assert k8s.ROUTER_WORKER_STARTUP_S == RouterArgs.worker_startup_timeout_secs
+    pods = [pod for role in ("prefill", "decode") for pod, _ in groups(docs, role)[1]]
+    pods.append(find(docs, "Deployment")[0]["spec"]["template"])
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == f"sglang-dsv4-sm120:{sglang_dsv4.__version__}"
+        assert container["imagePullPolicy"] == "IfNotPresent"
+    for pod in pods[:-1]:
+        (container,) = pod["spec"]["containers"]
+        live, start = container["livenessProbe"], container["startupProbe"]
+        assert live["timeoutSeconds"] > http_server.HEALTH_CHECK_TIMEOUT
+        budget = start["periodSeconds"] * start["failureThreshold"]
+        assert budget == RouterArgs.worker_startup_timeout_secs + k8s.STARTUP_MARGIN_S
 
 
 def test_probe_paths_are_routes_upstream_serves():
@@ -375,6 +406,7 @@ def test_router_probe_paths_are_routes_the_router_serves(tmp_path_factory):
         (["--hicache-ratio", "2"], ["--hicache-ratio", "HiCache is off"]),
         (["--model-volume", "nfs:/x"], ["--model-volume", "pvc:NAME"]),
         (["--ib-device", "mlx5_0:1"], ["--ib-device", "without a port"]),
+        (["--ib-device", "mlx5_0"], ["--ib-device mlx5_0", "no RDMA device", "--rdma-resource"]),
         (["--rdma-resource", "rdma=one"], ["--rdma-resource", "NAME=COUNT"]),
         (["--namespace", "LLM"], ["--namespace", "DNS label"]),
         (["--index-k-dtype", "int4"], ["'int4' is not supported"]),

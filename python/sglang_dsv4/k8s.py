@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from sglang_dsv4 import __version__
+
 ROLES = ("prefill", "decode")
 ENTRYPOINT = "/opt/sglang-dsv4/entrypoint.sh"  # the image's ENTRYPOINT, used as is
 IMAGE_UID = 1001  # docker/Dockerfile's numeric user
@@ -40,8 +42,22 @@ BOOTSTRAP_PORT = 8998  # the entrypoint's DISAGG_BOOTSTRAP_PORT default
 ROUTER_PORT = 8000
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 ANNOTATION = "sglang-dsv4"  # prefix of the annotations this command writes
-# What a pod's probes wait for: weights load and kernels compile first (compose allows 30 min).
-STARTUP_SECONDS = 30 * 60
+# A server's start-up probe outlasts the router's wait for it (sglang_router's
+# --worker-startup-timeout-secs default, which the entrypoint keeps) by a stated margin: the
+# router gives up on a server that is still loading weights and compiling kernels before
+# Kubernetes would kill it, never at the same moment.
+ROUTER_WORKER_STARTUP_S = 1800
+STARTUP_MARGIN_S = 600
+STARTUP_SECONDS = ROUTER_WORKER_STARTUP_S + STARTUP_MARGIN_S
+# Upstream's /health waits up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for a busy server's health
+# generation; the liveness probe waits longer, so a busy server is not restarted.
+UPSTREAM_HEALTH_CHECK_TIMEOUT_S = 20
+LIVENESS_TIMEOUT_S = 30
+# The node rank of an engine spanning nodes, from the label LeaderWorkerSet puts on every pod of
+# a group (all its releases), not from the LWS_WORKER_INDEX variable that older releases do not
+# inject.
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+NODE_RANK_VARIABLE = "SGLANG_DSV4_NODE_RANK"
 HICACHE_FLAGS = ("ratio", "size", "write_policy", "io_backend", "mem_layout")
 QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -55,7 +71,8 @@ NOTES = {
     "container ports become host ports, so the scheduler keeps two servers of a role off one node",
     "dnsPolicy: ClusterFirstWithHostNet": "cluster DNS on the host network: the servers resolve "
     "each other's Service names",
-    "- IPC_LOCK": "RDMA registers KV memory with the NIC (memlock); the image runs as user 1001",
+    "- IPC_LOCK": "for a root process only: under user 1001 the locked-memory limit RDMA "
+    "registration needs is the container runtime's (docker/README.md)",
     "medium: Memory": "/dev/shm for the tensor-parallel ranks (Docker's --ipc host); counts "
     "towards the pod's memory",
     "publishNotReadyAddresses: true": "DNS names exist while servers load: the router waits for "
@@ -91,7 +108,7 @@ class Options:
     hicache_settings: dict = field(default_factory=dict)  # HICACHE_* values
     name: str = "sglang-dsv4"
     namespace: str = "sglang-dsv4"
-    image: str = "sglang-dsv4-sm120:latest"
+    image: str = f"sglang-dsv4-sm120:{__version__}"  # the image of this release, not :latest
     model_path: str = "/model"
     model_volume: str = "pvc:sglang-dsv4-model"
     shm_size: str = "32Gi"
@@ -163,6 +180,12 @@ def check(options: Options) -> None:
     if options.ib_device and ":" in options.ib_device:
         raise K8sError(
             f"--ib-device {options.ib_device!r}: HCA names without a port (mlx5_0, not mlx5_0:1)"
+        )
+    if options.ib_device and not options.rdma_resources:
+        raise K8sError(
+            f"--ib-device {options.ib_device} gives the pods no RDMA device: add --rdma-resource "
+            "NAME=COUNT, the RDMA device plugin's resource that mounts /dev/infiniband (e.g. "
+            "rdma/rdma_shared_device_a=1)"
         )
     for name, count in options.rdma_resources.items():
         if not RESOURCE_NAME.fullmatch(name) or count < 1:
@@ -388,7 +411,7 @@ def server_pod(
             "--nnodes",
             "$(LWS_GROUP_SIZE)",
             "--node-rank",
-            "$(LWS_WORKER_INDEX)",
+            f"$({NODE_RANK_VARIABLE})",
             "--dist-init-addr",
             f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT[role]}",
         ]
@@ -409,19 +432,22 @@ def server_pod(
     }
     if options.ib_device or options.rdma_resources:
         security["capabilities"] = {"add": ["IPC_LOCK"]}
+    # The address this server advertises to its PD peers (upstream's SGLANG_HOST_IP).
+    env = [{"name": "SGLANG_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    if nnodes > 1:
+        label = f"metadata.labels['{WORKER_INDEX_LABEL}']"
+        env.append({"name": NODE_RANK_VARIABLE, "valueFrom": {"fieldRef": {"fieldPath": label}}})
     container = {
         "name": role,
         "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
         "args": args,
         "envFrom": [{"configMapRef": {"name": env_name}}],
-        # The address this server advertises to its PD peers (upstream's SGLANG_HOST_IP).
-        "env": [
-            {"name": "SGLANG_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-        ],
+        "env": env,
         "ports": ports,
         "resources": {"limits": dict(limits), "requests": dict(limits)},
         "startupProbe": _probe("/health", "http", 30, STARTUP_SECONDS // 30),
-        "livenessProbe": _probe("/health", "http", 30, 3),
+        "livenessProbe": _probe("/health", "http", 30, 3, timeout=LIVENESS_TIMEOUT_S),
         "readinessProbe": _probe(ready_path, "http", 10, 3, timeout=5),
         "volumeMounts": mounts,
         "securityContext": security,
@@ -536,6 +562,7 @@ def router_objects(options: Options) -> list[dict]:
                             {
                                 "name": "router",
                                 "image": options.image,
+                                "imagePullPolicy": "IfNotPresent",
                                 "args": ["router"],
                                 "envFrom": [{"configMapRef": {"name": f"{name}-env"}}],
                                 "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
