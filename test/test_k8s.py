@@ -30,7 +30,9 @@ parse_server = test_docker.parse_server
 parse_router = test_docker.parse_router
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
-CORE_KINDS = {"Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment"}
+CORE_KINDS = {
+    "Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget"
+}
 SIZES = {
     # One engine per node: StatefulSets, the defaults (4 RTX PRO 6000 per node, TP 4).
     "one-node": [],
@@ -44,6 +46,9 @@ SIZES = {
         "--host-network", "--ib-device", "mlx5_0", "--rdma-resource", "rdma/rdma_shared_device_a=1",
         "--network-attachment", "rdma-net", "--namespace", "llm", "--name", "dsv4",
         "--model-path", "/weights/v4", "--model-volume", "hostpath:/srv/models/v4",
+        "--node-selector", "nvidia.com/gpu.product=NVIDIA-H200", "--node-selector", "pool=gpu",
+        "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration", "dedicated=llm:NoExecute",
+        "--image-pull-secret", "registry-creds", "--hf-token-secret", "hf-token",
     ],
 }  # fmt: skip
 
@@ -118,6 +123,8 @@ def container_env(docs, pod: dict, extra: dict[str, str], node_rank: int = 0) ->
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
+        elif "secretKeyRef" in item["valueFrom"]:
+            env[item["name"]] = "secret"  # a stand-in: what the Secret holds
         else:
             env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return {**env, **extra}
@@ -368,6 +375,45 @@ def test_images_and_probes_leave_margins_to_upstream_and_the_router(manifests):
         assert budget == RouterArgs.worker_startup_timeout_secs + k8s.STARTUP_MARGIN_S
 
 
+def test_pods_go_where_the_operator_says_and_drains_take_one_at_a_time(manifests):
+    """Servers on the selected, tainted GPU nodes with the registry and Hugging Face secrets;
+    the router anywhere; replicas of a component kept apart where the cluster allows; a
+    PodDisruptionBudget per component covering exactly its pods."""
+    size, _, docs = manifests
+    given = size == "across-nodes"
+    pods = {role: [pod for pod, _ in groups(docs, role)[1]] for role in ("prefill", "decode")}
+    pods["router"] = [find(docs, "Deployment")[0]["spec"]["template"]]
+    budgets = {b["metadata"]["labels"]["app.kubernetes.io/component"]: b
+               for b in find(docs, "PodDisruptionBudget")}
+    assert budgets.keys() == pods.keys()
+    for component, templates in pods.items():
+        budget = budgets[component]["spec"]
+        assert budget["maxUnavailable"] == 1
+        for pod in templates:
+            spec, labels = pod["spec"], pod["metadata"]["labels"]
+            assert budget["selector"]["matchLabels"].items() <= labels.items()
+            (term,) = spec["affinity"]["podAntiAffinity"][
+                "preferredDuringSchedulingIgnoredDuringExecution"]
+            assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+            assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+            server = component != "router"
+            assert spec.get("nodeSelector") == (
+                {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": "gpu"} if given and server
+                else None)
+            assert spec.get("tolerations") == (
+                [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                 {"key": "dedicated", "operator": "Equal", "effect": "NoExecute", "value": "llm"}]
+                if given and server else None)
+            assert spec.get("imagePullSecrets") == ([{"name": "registry-creds"}] if given else None)
+            (container,) = spec["containers"]
+            token = [e for e in container.get("env", []) if e["name"] == "HF_TOKEN"]
+            assert token == ([{"name": "HF_TOKEN", "valueFrom": {
+                "secretKeyRef": {"name": "hf-token", "key": "token"}}}] if given and server else [])
+    # Each budget selects the pods of one component only.
+    assert len({tuple(sorted(b["spec"]["selector"]["matchLabels"].items()))
+                for b in budgets.values()}) == 3
+
+
 def test_probe_paths_are_routes_upstream_serves():
     import inspect
 
@@ -413,6 +459,9 @@ def test_router_probe_paths_are_routes_the_router_serves(tmp_path_factory):
         (["--gpu", "toaster"], ["--gpu 'toaster'", "unknown GPU"]),
         (["--shm-size", "32 gigs"], ["--shm-size", "quantity"]),
         (["--context", "0"], ["--context 0", "at least 1"]),
+        (["--node-selector", "gpu"], ["--node-selector 'gpu'", "LABEL=VALUE"]),
+        (["--toleration", "gpu:Sometimes"], ["--toleration 'gpu:Sometimes'", "NoSchedule"]),
+        (["--hf-token-secret", "HF_Token"], ["--hf-token-secret 'HF_Token'", "Secret"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, words):

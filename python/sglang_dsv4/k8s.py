@@ -61,6 +61,12 @@ NODE_RANK_VARIABLE = "SGLANG_DSV4_NODE_RANK"
 HICACHE_FLAGS = ("ratio", "size", "write_policy", "io_backend", "mem_layout")
 QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+LABEL_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+)
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 RESOURCE_NAME = re.compile(
     r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
@@ -117,6 +123,10 @@ class Options:
     rdma_resources: dict = field(default_factory=dict)  # resource name -> count per pod
     network_attachment: str | None = None
     router_service_type: str = "ClusterIP"
+    node_selector: dict = field(default_factory=dict)  # label -> value, for the GPU servers
+    tolerations: list = field(default_factory=list)  # Kubernetes toleration objects
+    image_pull_secret: str | None = None
+    hf_token_secret: str | None = None  # a Secret whose key "token" the servers read as HF_TOKEN
     cluster_domain: str = "cluster.local"
 
     def role_tp(self, role: str) -> int:
@@ -193,6 +203,12 @@ def check(options: Options) -> None:
                 f"--rdma-resource {name}={count}: DOMAIN/NAME=COUNT, e.g. "
                 "rdma/rdma_shared_device_a=1"
             )
+    for flag, secret in (
+        ("--image-pull-secret", options.image_pull_secret),
+        ("--hf-token-secret", options.hf_token_secret),
+    ):
+        if secret is not None and not DNS_SUBDOMAIN.fullmatch(secret):
+            raise K8sError(f"{flag} {secret!r}: the name of a Secret (a-z, 0-9, '-', '.')")
     if options.network_attachment is not None and not options.network_attachment.strip():
         raise K8sError("--network-attachment is empty")
     if options.hicache_settings and not options.hicache:
@@ -437,6 +453,9 @@ def server_pod(
     if nnodes > 1:
         label = f"metadata.labels['{WORKER_INDEX_LABEL}']"
         env.append({"name": NODE_RANK_VARIABLE, "valueFrom": {"fieldRef": {"fieldPath": label}}})
+    if options.hf_token_secret:
+        secret = {"name": options.hf_token_secret, "key": "token"}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
     container = {
         "name": role,
         "image": options.image,
@@ -460,6 +479,7 @@ def server_pod(
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": volumes,
+        **_scheduling(options, role, gpu_nodes=True),
     }
     if options.host_network:
         spec["hostNetwork"] = True
@@ -467,6 +487,43 @@ def server_pod(
     return {
         "metadata": {"labels": _labels(options, role), "annotations": annotations},
         "spec": spec,
+    }
+
+
+def _scheduling(options: Options, component: str, gpu_nodes: bool) -> dict:
+    """Where a pod may run: the GPU nodes (--node-selector, --toleration) for servers, apart from
+    the other replicas of its component where the cluster allows, with the pull secret."""
+    spec: dict = {
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": {"matchLabels": _labels(options, component)},
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            }
+        }
+    }
+    if gpu_nodes and options.node_selector:
+        spec["nodeSelector"] = dict(options.node_selector)
+    if gpu_nodes and options.tolerations:
+        spec["tolerations"] = [dict(t) for t in options.tolerations]
+    if options.image_pull_secret:
+        spec["imagePullSecrets"] = [{"name": options.image_pull_secret}]
+    return spec
+
+
+def disruption_budget(options: Options, component: str) -> dict:
+    """A node drain takes at most one pod of a component at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(options, f"{options.name}-{component}", component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(options, component)}},
     }
 
 
@@ -493,7 +550,7 @@ def server_objects(options: Options, role: str, p: dict) -> list[dict]:
     env = server_environment(options, role, p)
     env_name = f"{group}-env"
     digest = _digest(env)
-    objects = [config_map(options, env_name, role, env)]
+    objects = [config_map(options, env_name, role, env), disruption_budget(options, role)]
     replicas = options.replicas[role]
     nnodes = nodes_per_engine(options, role)
     if nnodes == 1:
@@ -545,6 +602,7 @@ def router_objects(options: Options) -> list[dict]:
     labels = _labels(options, "router")
     return [
         config_map(options, f"{name}-env", "router", env),
+        disruption_budget(options, "router"),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -577,7 +635,8 @@ def router_objects(options: Options) -> list[dict]:
                                     "allowPrivilegeEscalation": False,
                                 },
                             }
-                        ]
+                        ],
+                        **_scheduling(options, "router", gpu_nodes=False),
                     },
                 },
             },
@@ -772,6 +831,32 @@ def add_arguments(parser) -> None:
         help="the image built from docker/Dockerfile, in your registry",
     )
     cluster.add_argument(
+        "--image-pull-secret",
+        metavar="NAME",
+        help="a docker-registry Secret in the namespace for pulling --image",
+    )
+    cluster.add_argument(
+        "--hf-token-secret",
+        metavar="NAME",
+        help="a Secret in the namespace whose key 'token' the servers read as HF_TOKEN",
+    )
+    cluster.add_argument(
+        "--node-selector",
+        action="append",
+        default=[],
+        metavar="LABEL=VALUE",
+        help="run the servers only on nodes with this label (repeat for more), e.g. "
+        "nvidia.com/gpu.product=NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+    )
+    cluster.add_argument(
+        "--toleration",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]:EFFECT",
+        help="let the servers onto nodes with this taint (repeat for more), e.g. "
+        "nvidia.com/gpu:NoSchedule",
+    )
+    cluster.add_argument(
         "--model-path",
         default=Options.model_path,
         help="MODEL_PATH in the pods: where --model-volume is mounted "
@@ -839,6 +924,33 @@ def add_arguments(parser) -> None:
     )
 
 
+def _node_selector(items: list[str]) -> dict[str, str]:
+    selector = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not LABEL_KEY.fullmatch(key) or not LABEL_VALUE.fullmatch(value):
+            raise K8sError(f"--node-selector {item!r}: LABEL=VALUE, e.g. gpu=rtx-pro-6000")
+        selector[key] = value
+    return selector
+
+
+def _tolerations(items: list[str]) -> list[dict]:
+    tolerations = []
+    for item in items:
+        taint, _, effect = item.rpartition(":")
+        key, sep, value = taint.partition("=")
+        if effect not in TAINT_EFFECTS or not LABEL_KEY.fullmatch(key):
+            raise K8sError(
+                f"--toleration {item!r}: KEY[=VALUE]:EFFECT with EFFECT one of "
+                f"{', '.join(TAINT_EFFECTS)}, e.g. nvidia.com/gpu:NoSchedule"
+            )
+        toleration = {"key": key, "operator": "Equal" if sep else "Exists", "effect": effect}
+        if sep:
+            toleration["value"] = value
+        tolerations.append(toleration)
+    return tolerations
+
+
 def options_from(args) -> Options:
     rdma = {}
     for item in args.rdma_resource:
@@ -885,6 +997,10 @@ def options_from(args) -> Options:
         network_attachment=args.network_attachment,
         router_service_type=args.router_service_type,
         cluster_domain=args.cluster_domain,
+        node_selector=_node_selector(args.node_selector),
+        tolerations=_tolerations(args.toleration),
+        image_pull_secret=args.image_pull_secret,
+        hf_token_secret=args.hf_token_secret,
     )
 
 
