@@ -31,11 +31,12 @@ parse_router = test_docker.parse_router
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 CORE_KINDS = {
-    "Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget"
+    "Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget",
+    "PersistentVolumeClaim",
 }
 SIZES = {
     # One engine per node: StatefulSets, the defaults (4 RTX PRO 6000 per node, TP 4).
-    "one-node": [],
+    "one-node": ["--create-pvc", "1Ti", "--storage-class", "nfs-rwx"],
     # Prefill at TP 8 across two 4-GPU nodes (LeaderWorkerSet), decode at TP 4, more replicas,
     # HiCache on prefill, host network with RDMA, fp8 index keys, MTP, sessions.
     "across-nodes": [
@@ -156,7 +157,7 @@ def schema_versions() -> list[str]:
 def test_every_core_object_validates_against_the_kubernetes_schemas(manifests):
     _, _, docs = manifests
     kinds = {d["kind"] for d in docs}
-    assert CORE_KINDS - {"StatefulSet"} <= kinds
+    assert CORE_KINDS - {"StatefulSet", "PersistentVolumeClaim"} <= kinds
     assert kinds <= CORE_KINDS | {"LeaderWorkerSet"}
     for doc in docs:
         for version in schema_versions():
@@ -414,6 +415,23 @@ def test_pods_go_where_the_operator_says_and_drains_take_one_at_a_time(manifests
                 for b in budgets.values()}) == 3
 
 
+def test_the_weights_claim_is_written_when_asked_and_is_what_every_server_mounts(manifests):
+    size, files, docs = manifests
+    claims = find(docs, "PersistentVolumeClaim")
+    if size != "one-node":  # hostpath weights, no claim asked for
+        assert claims == [] and "05-model.yaml" not in files
+        return
+    (claim,) = claims
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # read-only mounts on many nodes
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Ti"
+    assert claim["spec"]["storageClassName"] == "nfs-rwx"
+    for role in ("prefill", "decode"):
+        for pod, _ in groups(docs, role)[1]:
+            (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "model"]
+            claimed = volume["persistentVolumeClaim"]
+            assert claimed == {"claimName": claim["metadata"]["name"], "readOnly": True}
+
+
 def test_probe_paths_are_routes_upstream_serves():
     import inspect
 
@@ -462,6 +480,9 @@ def test_router_probe_paths_are_routes_the_router_serves(tmp_path_factory):
         (["--node-selector", "gpu"], ["--node-selector 'gpu'", "LABEL=VALUE"]),
         (["--toleration", "gpu:Sometimes"], ["--toleration 'gpu:Sometimes'", "NoSchedule"]),
         (["--hf-token-secret", "HF_Token"], ["--hf-token-secret 'HF_Token'", "Secret"]),
+        (["--create-pvc", "1 TB"], ["--create-pvc '1 TB'", "quantity"]),
+        (["--model-volume", "none", "--create-pvc", "1Ti"], ["--create-pvc", "pvc:NAME"]),
+        (["--storage-class", "nfs"], ["--storage-class", "--create-pvc"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, words):
@@ -486,6 +507,11 @@ def test_rendering_again_into_default_drops_only_its_own_namespace_file(tmp_path
     assert names == ["10-prefill.yaml", "20-decode.yaml", "30-router.yaml", "kustomization.yaml"]
     docs = [d for p in out.glob("[0-9]*.yaml") for d in yaml.safe_load_all(p.read_text()) if d]
     assert {d["metadata"]["namespace"] for d in docs} == {"default"}
+    # So does the claim it wrote, once --create-pvc is left out.
+    assert main(["k8s", "--out", str(out), "--namespace", "default", "--create-pvc", "1Ti"]) == 0
+    assert (out / "05-model.yaml").exists()
+    assert main(["k8s", "--out", str(out), "--namespace", "default"]) == 0
+    assert not (out / "05-model.yaml").exists()
     # A file of that name the command did not write stays.
     (out / "00-namespace.yaml").write_text("apiVersion: v1\nkind: Namespace\n")
     assert main(["k8s", "--out", str(out), "--namespace", "default"]) == 0

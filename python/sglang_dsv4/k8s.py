@@ -117,6 +117,8 @@ class Options:
     image: str = f"sglang-dsv4-sm120:{__version__}"  # the image of this release, not :latest
     model_path: str = "/model"
     model_volume: str = "pvc:sglang-dsv4-model"
+    create_pvc: str | None = None  # a size: write the --model-volume claim too
+    storage_class: str | None = None  # of the claim --create-pvc writes
     shm_size: str = "32Gi"
     host_network: bool = False
     ib_device: str | None = None
@@ -182,6 +184,16 @@ def check(options: Options) -> None:
             raise K8sError(f"--model-volume {options.model_volume!r}: hostpath:/ABSOLUTE/PATH")
     elif options.model_volume != "none":
         raise K8sError(f"--model-volume {options.model_volume!r}: pvc:NAME, hostpath:/PATH or none")
+    if options.create_pvc is not None:
+        if kind != "pvc":
+            raise K8sError(
+                f"--create-pvc writes the claim of --model-volume pvc:NAME, not of "
+                f"{options.model_volume!r}"
+            )
+        if not QUANTITY.fullmatch(options.create_pvc):
+            raise K8sError(f"--create-pvc {options.create_pvc!r}: a Kubernetes quantity, e.g. 1Ti")
+    if options.storage_class is not None and options.create_pvc is None:
+        raise K8sError("--storage-class names the class of the claim --create-pvc writes: add it")
     if kind in ("pvc", "hostpath") and not options.model_path.startswith("/"):
         raise K8sError(
             f"--model-path {options.model_path!r}: the mount point of --model-volume, an absolute "
@@ -517,6 +529,25 @@ def _scheduling(options: Options, component: str, gpu_nodes: bool) -> dict:
     return spec
 
 
+def model_claim(options: Options) -> dict:
+    """The weights' claim (--create-pvc). Every server pod mounts it read-only, from several
+    nodes at once, so it is ReadWriteMany: a job can fill it while the servers read it (a
+    ReadWriteOnce claim attaches to one node: the next server pod would stay Pending)."""
+    spec: dict = {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": options.create_pvc}},
+    }
+    if options.storage_class:
+        spec["storageClassName"] = options.storage_class
+    name = options.model_volume.partition(":")[2]
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(options, name, "model"),
+        "spec": spec,
+    }
+
+
 def disruption_budget(options: Options, component: str) -> dict:
     """A node drain takes at most one pod of a component at a time."""
     return {
@@ -688,6 +719,12 @@ def render(options: Options, found: dict[str, dict]) -> dict[str, str]:
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": options.namespace}}
         ]
         headers[NAMESPACE_FILE] = [f"{NAMESPACE_HEADER[2:]}{options.name}."]
+    if options.create_pvc is not None:
+        files[MODEL_FILE] = [model_claim(options)]
+        headers[MODEL_FILE] = [
+            f"{MODEL_HEADER[2:]}({options.create_pvc}, ReadWriteMany: every server mounts it "
+            "read-only, from several nodes); fill it before the servers start."
+        ]
     for number, role in ((10, "prefill"), (20, "decode")):
         p = found[role]
         nnodes = nodes_per_engine(options, role)
@@ -730,16 +767,19 @@ def render(options: Options, found: dict[str, dict]) -> dict[str, str]:
 
 
 NAMESPACE_FILE = "00-namespace.yaml"
+MODEL_FILE = "05-model.yaml"
+MODEL_HEADER = "# The weights' claim "
 NAMESPACE_HEADER = "# The namespace of the deployment "
 
 
 def write(out: Path, rendered: dict[str, str]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    # A Namespace this command wrote before, for a deployment now in `default`, would be applied
-    # with the rest: remove it (only a file this command wrote).
-    stale = out / NAMESPACE_FILE
-    if NAMESPACE_FILE not in rendered and stale.is_file():
-        if stale.read_text().startswith(NAMESPACE_HEADER):
+    # A Namespace (or claim) this command wrote before, for a deployment now in `default` (or
+    # without --create-pvc), would be applied with the rest: remove it (only a file this command
+    # wrote).
+    for name, header in ((NAMESPACE_FILE, NAMESPACE_HEADER), (MODEL_FILE, MODEL_HEADER)):
+        stale = out / name
+        if name not in rendered and stale.is_file() and stale.read_text().startswith(header):
             stale.unlink()
     paths = []
     for name, text in rendered.items():
@@ -870,6 +910,18 @@ def add_arguments(parser) -> None:
         f"{Options.model_volume})",
     )
     cluster.add_argument(
+        "--create-pvc",
+        metavar="SIZE",
+        help="also write the --model-volume claim (ReadWriteMany, this size, e.g. 1Ti); without "
+        "it the claim must exist, mountable read-only on several nodes at once (ReadOnlyMany or "
+        "ReadWriteMany)",
+    )
+    cluster.add_argument(
+        "--storage-class",
+        metavar="NAME",
+        help="the StorageClass of the claim --create-pvc writes (default: the cluster's)",
+    )
+    cluster.add_argument(
         "--shm-size",
         default=Options.shm_size,
         help=f"/dev/shm of a server pod (default: {Options.shm_size})",
@@ -990,6 +1042,8 @@ def options_from(args) -> Options:
         image=args.image,
         model_path=args.model_path,
         model_volume=args.model_volume,
+        create_pvc=args.create_pvc,
+        storage_class=args.storage_class,
         shm_size=args.shm_size,
         host_network=args.host_network,
         ib_device=args.ib_device,
