@@ -15,7 +15,9 @@ import copy
 import json
 import re
 import shlex
+from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import sglang_dsv4
@@ -191,45 +193,46 @@ def test_strict_validation_rejects_what_a_cluster_would(tmp_path_factory):
 
 
 # LeaderWorkerSet v1 (kubernetes-sigs/lws api/leaderworkerset/v1): the fields and values it takes.
-LWS_SPEC = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
-LWS_TEMPLATE = {
-    "leaderTemplate",
-    "workerTemplate",
-    "size",
-    "restartPolicy",
-    "subGroupPolicy",
-    "volumeClaimTemplates",
-    "persistentVolumeClaimRetentionPolicy",
-}
-LWS_ENUMS = {
-    "startupPolicy": {"LeaderCreated", "LeaderReady"},
-    "restartPolicy": {"RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None", "Default"},
-    "subdomainPolicy": {"Shared", "UniquePerReplica"},
-}
+LWS_SCHEMA = json.loads(
+    (Path(sglang_dsv4.__file__).parent / "data" / "leaderworkerset-v1.schema.json").read_text()
+)
 
 
-def test_leaderworkerset_uses_only_fields_of_its_api(manifests):
+def lws_errors(doc: dict) -> list[str]:
+    validator = jsonschema.Draft202012Validator(LWS_SCHEMA)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_leaderworkerset_validates_against_the_schema_of_its_api(manifests):
+    """Every LeaderWorkerSet against the project's schema of the LWS v1 API (v0.4.0, the
+    oldest release the manifests run on): no unknown field, no wrong type; its pod templates are
+    core PodTemplateSpecs, validated strictly in the core-objects test."""
     size, _, docs = manifests
     objects = find(docs, "LeaderWorkerSet")
     assert bool(objects) == (size == "across-nodes")
     for lws in objects:
-        assert lws["apiVersion"] == LWS_API
-        assert set(lws) == {"apiVersion", "kind", "metadata", "spec"}
-        assert set(lws["metadata"]) <= {"name", "namespace", "labels", "annotations"}
-        spec = lws["spec"]
-        assert set(spec) <= LWS_SPEC and "leaderWorkerTemplate" in spec
-        assert isinstance(spec["replicas"], int) and spec["replicas"] >= 1
-        assert spec["startupPolicy"] in LWS_ENUMS["startupPolicy"]
-        assert set(spec["networkConfig"]) == {"subdomainPolicy"}
-        assert spec["networkConfig"]["subdomainPolicy"] in LWS_ENUMS["subdomainPolicy"]
-        lwt = spec["leaderWorkerTemplate"]
-        assert set(lwt) <= LWS_TEMPLATE and "workerTemplate" in lwt
-        assert isinstance(lwt["size"], int) and lwt["size"] >= 2
-        assert lwt["restartPolicy"] in LWS_ENUMS["restartPolicy"]
-        for key in ("leaderTemplate", "workerTemplate"):
-            assert set(lwt[key]) == {"metadata", "spec"}
+        assert lws_errors(lws) == []
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] >= 2
         # The LeaderWorkerSet makes its own headless Service of its name: none may clash with it.
         assert not find(docs, "Service", lws["metadata"]["name"])
+
+
+def test_the_leaderworkerset_schema_refuses_a_misspelled_field_and_a_wrong_type(tmp_path_factory):
+    _, docs = render(tmp_path_factory, SIZES["across-nodes"])
+    (lws,) = find(docs, "LeaderWorkerSet")
+    misspelled = copy.deepcopy(lws)
+    lwt = misspelled["spec"]["leaderWorkerTemplate"]
+    lwt["restartPolicys"] = lwt.pop("restartPolicy")
+    assert any("restartPolicys" in e for e in lws_errors(misspelled)), lws_errors(misspelled)
+    wrong_type = copy.deepcopy(lws)
+    wrong_type["spec"]["leaderWorkerTemplate"]["size"] = "2"
+    assert any("size" in e and "integer" in e for e in lws_errors(wrong_type))
+    wrong_value = copy.deepcopy(lws)
+    wrong_value["spec"]["networkConfig"]["subdomainPolicy"] = "shared"
+    assert any("subdomainPolicy" in e for e in lws_errors(wrong_value))
+    nested = copy.deepcopy(lws)
+    nested["spec"]["leaderWorkerTemplate"]["workerTemplate"]["specs"] = {}
+    assert any("specs" in e for e in lws_errors(nested))
 
 
 # --- the plan's figures where upstream's launcher reads them ------------------------------------
