@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -416,6 +417,29 @@ def test_pods_go_where_the_operator_says_and_drains_take_one_at_a_time(manifests
     # Each budget selects the pods of one component only.
     assert len({tuple(sorted(b["spec"]["selector"]["matchLabels"].items()))
                 for b in budgets.values()}) == 3
+
+
+def test_servers_request_the_host_memory_they_use_and_a_core_per_rank(manifests, capsys):
+    """Not BestEffort: a server pod requests /dev/shm (memory-backed), each rank's host memory
+    and HiCache's host pool (ratio x the plan's device KV per rank), a core per rank plus two;
+    no CPU or memory limit (nothing to kill a loaded server for)."""
+    size, files, docs = manifests
+    for role in ("prefill", "decode"):
+        p = plan_of(files, role, capsys)
+        for pod, _ in groups(docs, role)[1]:
+            (container,) = pod["spec"]["containers"]
+            resources = container["resources"]
+            ranks = resources["limits"]["nvidia.com/gpu"]
+            shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+            assert shm["emptyDir"]["sizeLimit"] == "32Gi"
+            hicache = 2.0 * p["kv_memory_bytes"] * ranks if "--hicache" in SIZES[size] and (
+                role == "prefill") else 0
+            memory = 32 * 2**30 + 8 * 2**30 * ranks + hicache
+            assert resources["requests"]["memory"] == f"{math.ceil(memory / 2**30)}Gi"
+            assert resources["requests"]["cpu"] == str(ranks + 2)
+            assert "memory" not in resources["limits"] and "cpu" not in resources["limits"]
+    (router,) = find(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    assert set(router["resources"]["requests"]) == {"cpu", "memory"}
 
 
 def test_the_weights_claim_is_written_when_asked_and_is_what_every_server_mounts(manifests):

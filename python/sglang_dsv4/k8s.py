@@ -476,7 +476,10 @@ def server_pod(
         "envFrom": [{"configMapRef": {"name": env_name}}],
         "env": env,
         "ports": ports,
-        "resources": {"limits": dict(limits), "requests": dict(limits)},
+        "resources": {
+            "limits": dict(limits),
+            "requests": {**limits, **host_requests(options, role, p, gpus)},
+        },
         "startupProbe": _probe("/health", "http", 30, STARTUP_SECONDS // 30),
         "livenessProbe": _probe("/health", "http", 30, 3, timeout=LIVENESS_TIMEOUT_S),
         "readinessProbe": _probe(ready_path, "http", 10, 3, timeout=5),
@@ -500,6 +503,44 @@ def server_pod(
         "metadata": {"labels": _labels(options, role), "annotations": annotations},
         "spec": spec,
     }
+
+
+# A rank's host memory besides /dev/shm and HiCache: torch, the CUDA context, pinned staging
+# buffers, the tokenizer and detokenizer for the first rank. An estimate to replace with the GPU
+# proof kit's measurement; requests place pods (Burstable QoS, not first evicted), they limit
+# nothing, so no memory limit is set on a server.
+RANK_HOST_MEMORY = 8 * 2**30
+UPSTREAM_HICACHE_RATIO = 2.0  # upstream's --hicache-ratio when a prefill gives none
+_QUANTITY_FACTORS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+                     "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+                     "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+
+
+def quantity_bytes(quantity: str) -> int:
+    number = re.match(r"[0-9.]+", quantity)[0]
+    return int(float(number) * _QUANTITY_FACTORS[quantity[len(number) :]])
+
+
+def hicache_host_bytes(options: Options, role: str, p: dict, ranks: int) -> int:
+    """HiCache's host pool of the pod's ranks: --hicache-size (GB per rank), else the ratio to
+    the device KV pool (--hicache-ratio, upstream's 2.0 on a prefill). A decode given neither
+    sizes it from the host's free memory at start-up: nothing to price here."""
+    if role not in options.hicache:
+        return 0
+    size, ratio = options.hicache_settings.get("size"), options.hicache_settings.get("ratio")
+    if size is not None and float(size) > 0:
+        return int(float(size) * 10**9) * ranks
+    if ratio is None and role == "prefill":
+        ratio = UPSTREAM_HICACHE_RATIO
+    return int(float(ratio) * p["kv_memory_bytes"]) * ranks if ratio is not None else 0
+
+
+def host_requests(options: Options, role: str, p: dict, ranks: int) -> dict[str, str]:
+    """CPU and memory a server pod requests: a core per rank and two for the HTTP server and
+    detokenizer; memory for /dev/shm (memory-backed), each rank and HiCache's host pool."""
+    memory = quantity_bytes(options.shm_size) + RANK_HOST_MEMORY * ranks
+    memory += hicache_host_bytes(options, role, p, ranks)
+    return {"cpu": str(ranks + 2), "memory": f"{-(-memory // 2**30)}Gi"}
 
 
 def _scheduling(options: Options, component: str, gpu_nodes: bool) -> dict:
@@ -655,6 +696,7 @@ def router_objects(options: Options) -> list[dict]:
                                 "args": ["router"],
                                 "envFrom": [{"configMapRef": {"name": f"{name}-env"}}],
                                 "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+                                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
                                 # The router's own endpoints: alive, and ready once it has healthy
                                 # prefill and decode servers.
                                 "livenessProbe": _probe("/liveness", "http", 15, 3, timeout=5),
