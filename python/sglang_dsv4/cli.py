@@ -24,7 +24,7 @@ COMMANDS = {
     "status": ("sglang_dsv4.status", "upstream pin, each fix and whether it is in force"),
     "export-patches": ("sglang_dsv4.maintain.export", "write the carried changes as a git patch series"),
     "plan": ("sglang_dsv4.plan.command", "per-rank KV memory plan of a DeepSeek-V4 model (no GPU needed)"),
-    "k8s": ("sglang_dsv4.k8s", "Kubernetes manifests for the PD deployment, from the memory plan"),
+    "k8s": ("sglang_dsv4.k8s_cli", "Kubernetes manifests for the PD deployment, from the memory plan"),
     "tiny-model": (
         "sglang_dsv4.tiny_model",
         "write a tiny random DeepSeek-V4 checkpoint that `launch_server --device cpu` serves",
