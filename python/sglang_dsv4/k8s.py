@@ -51,7 +51,7 @@ STARTUP_SECONDS = ROUTER_WORKER_STARTUP_S + STARTUP_MARGIN_S
 # Upstream's /health waits up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for a busy server's health
 # generation; the liveness probe waits longer, so a busy server is not restarted.
 UPSTREAM_HEALTH_CHECK_TIMEOUT_S = 20
-LIVENESS_TIMEOUT_S = 30
+LIVENESS_TIMEOUT_S = UPSTREAM_HEALTH_CHECK_TIMEOUT_S + 10
 # The node rank of an engine spanning nodes, from the label LeaderWorkerSet puts on every pod of
 # a group (all its releases), not from the LWS_WORKER_INDEX variable that older releases do not
 # inject.
@@ -493,7 +493,7 @@ def server_pod(
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": volumes,
-        **_scheduling(options, role, gpu_nodes=True),
+        **_scheduling(options, role),
     }
     if options.host_network:
         spec["hostNetwork"] = True
@@ -542,7 +542,7 @@ def host_requests(options: Options, role: str, p: dict, ranks: int) -> dict[str,
     return {"cpu": str(ranks + 2), "memory": f"{-(-memory // 2**30)}Gi"}
 
 
-def _scheduling(options: Options, component: str, gpu_nodes: bool) -> dict:
+def _scheduling(options: Options, component: str) -> dict:
     """Where a pod may run: the GPU nodes (--node-selector, --toleration) for servers, apart from
     the other replicas of its component where the cluster allows, with the pull secret."""
     spec: dict = {
@@ -560,6 +560,7 @@ def _scheduling(options: Options, component: str, gpu_nodes: bool) -> dict:
             }
         }
     }
+    gpu_nodes = component in ROLES
     if gpu_nodes and options.node_selector:
         spec["nodeSelector"] = dict(options.node_selector)
     if gpu_nodes and options.tolerations:
@@ -708,7 +709,7 @@ def router_objects(options: Options) -> list[dict]:
                                 },
                             }
                         ],
-                        **_scheduling(options, "router", gpu_nodes=False),
+                        **_scheduling(options, "router"),
                     },
                 },
             },
