@@ -1,7 +1,9 @@
 """The plugin in real processes: discovery by upstream's loader, loud refusals, status.
 
 Each case runs in a fresh interpreter, because upstream's loader and HookRegistry are process-wide
-and run once. Where a case needs a condition this machine cannot have (another installed sglang
+and run once: forked by `sglang_dsv4.warm_python` from a process that has imported the third-party
+libraries upstream needs (torch, transformers, ...) and nothing of SGLang or of the distribution,
+so each case imports SGLang and the plugin anew without paying some 12 CPU-seconds for torch. Where a case needs a condition this machine cannot have (another installed sglang
 version), the subprocess replaces only the version lookup and says so.
 """
 
@@ -15,7 +17,7 @@ import textwrap
 
 import pytest
 from fastapi import Request
-from sglang_dsv4 import UPSTREAM_PIN
+from sglang_dsv4 import UPSTREAM_PIN, warm_python
 from sglang_dsv4.fixes import FIXES
 
 PY = sys.executable
@@ -30,14 +32,12 @@ HANG_GUARD_S = 900
 def run_py(
     code: str, env: dict | None = None, timeout: int = HANG_GUARD_S
 ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [PY, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
+    return python("-c", textwrap.dedent(code), env=env, timeout=timeout)
+
+
+def python(*argv: str, env: dict | None = None, timeout: int = HANG_GUARD_S):
+    """`python ARGV` in a fresh interpreter (warm-forked), its output captured as text."""
+    return warm_python.run(list(argv), env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def last_line(text: str) -> str:
@@ -290,13 +290,7 @@ def test_allow_unpinned_lets_other_version_through_with_warning():
 
 
 def test_bad_index_k_dtype_stops_launch_server_listing_allowed_values():
-    proc = subprocess.run(
-        [PY, "-m", "sglang.launch_server", "--help"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "SGLANG_DSV4_INDEX_K_DTYPE": "int8"},
-        timeout=HANG_GUARD_S,
-    )
+    proc = python("-m", "sglang.launch_server", "--help", env={"SGLANG_DSV4_INDEX_K_DTYPE": "int8"})
     assert proc.returncode == 1
     assert "usage:" not in proc.stdout
     assert last_line(proc.stderr) == (
@@ -305,17 +299,13 @@ def test_bad_index_k_dtype_stops_launch_server_listing_allowed_values():
 
 
 def test_launch_server_help_still_works_with_the_distribution_installed():
-    proc = subprocess.run(
-        [PY, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=HANG_GUARD_S
-    )
+    proc = python("-m", "sglang.launch_server", "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--model-path" in proc.stdout
 
 
 def test_status_json_lists_the_five_changes():
-    proc = subprocess.run(
-        [PY, "-m", "sglang_dsv4", "status", "--json"], capture_output=True, text=True, timeout=HANG_GUARD_S
-    )
+    proc = python("-m", "sglang_dsv4", "status", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Upstream's import-time noise stays out of the command line (a server keeps it).
     for noise in ("support AWQ", "support GGUF", "Cannot detect CUDA architecture"):
@@ -341,14 +331,8 @@ def test_status_json_lists_the_five_changes():
 
 
 def test_status_strict_fails_when_the_plugin_is_excluded():
-    env = {**os.environ, "SGLANG_PLUGINS": "some_other_plugin"}
-    proc = subprocess.run(
-        [PY, "-m", "sglang_dsv4", "status", "--json", "--strict"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=HANG_GUARD_S,
-    )
+    proc = python("-m", "sglang_dsv4", "status", "--json", "--strict",
+                  env={"SGLANG_PLUGINS": "some_other_plugin"})
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
     assert report["plugin_loaded"] is False
