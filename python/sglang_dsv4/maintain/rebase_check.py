@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sglang_dsv4 import UPSTREAM_PIN
+from sglang_dsv4 import UPSTREAM_PIN, warm_python
 from sglang_dsv4.hooks import Problem, Reason
 from sglang_dsv4.maintain import export, upstream
 from sglang_dsv4.maintain.upstream import git_env
@@ -141,10 +141,9 @@ def _env(python_dir: Path, plugin: bool, skip: list[str] = ()) -> dict[str, str]
 
 
 def run_probe(python_dir: Path, modules: list[str]) -> dict[str, Reason | None]:
-    cmd = [sys.executable, "-m", "sglang_dsv4.maintain.rebase_check", "--probe", *modules]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=_env(python_dir, plugin=False), cwd=REPO_ROOT
-    )
+    # A fresh interpreter that imports the tree alone (warm: torch and the like already loaded).
+    argv = ["-m", "sglang_dsv4.maintain.rebase_check", "--probe", *modules]
+    proc = warm_python.run(argv, env=_env(python_dir, plugin=False), cwd=REPO_ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -413,7 +412,8 @@ def check(
             repo / "python" / "sglang",
             ignore=shutil.ignore_patterns("__pycache__"),
         )
-        upstream.init_repo(repo)
+        # git apply needs a work tree, not history: no commit of the whole tree.
+        upstream.git(["init", "--quiet"], repo)
         apply_patches(facts, patch_dir, repo)
         reasons = run_probe(python_dir, [f.module for f in facts])
         for fact in facts:
