@@ -196,9 +196,9 @@ def run(argv: list[str], env: dict | None = None, cwd: str | os.PathLike | None 
         if started[:1] != ["started"]:
             raise RuntimeError(f"warm_python: the server did not start {command[:3]} ({started})")
         pid = int(started[1])
-        timer = None
+        timer, fired = None, threading.Event()
         if timeout is not None:
-            timer = threading.Timer(timeout, _kill_group, (pid,))
+            timer = threading.Timer(timeout, _kill_group, (pid, fired))
             timer.start()
         try:
             exited = server.stdout.readline().split()
@@ -209,12 +209,13 @@ def run(argv: list[str], env: dict | None = None, cwd: str | os.PathLike | None 
             raise RuntimeError(f"warm_python: the server lost {command[:3]} ({exited})")
         code = int(exited[2])
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if timer is not None and timer.finished.is_set() and code == -signal.SIGKILL:
+        if fired.is_set():
             raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
         return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
-def _kill_group(pid: int) -> None:
+def _kill_group(pid: int, fired: threading.Event) -> None:
+    fired.set()
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
