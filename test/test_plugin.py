@@ -20,7 +20,6 @@ from fastapi import Request
 from sglang_dsv4 import UPSTREAM_PIN, warm_python
 from sglang_dsv4.fixes import FIXES
 
-PY = sys.executable
 REFUSAL = "sglang-dsv4: refusing to run: "
 
 

@@ -5,10 +5,10 @@ Upstream's modules import torch, transformers, triton and a dozen more libraries
 that need a fresh process for SGLang (the plugin loader and HookRegistry run once per process;
 a probe must import an upstream tree alone) would pay that every time. Here they are forked
 from one server process (started at the first run) that imported those libraries once, and
-nothing of SGLang or of this distribution: each run imports SGLang anew, with its own environment, working
-directory, `sys.path` (as `python` builds it from the argv and PYTHONPATH), `sys.argv`,
-`__main__`, stdin from /dev/null, exit status and output, like `subprocess.run(capture_output=
-True, text=True)`. What it cannot be is an interpreter started with other interpreter options;
+nothing of SGLang or of this distribution: each run imports SGLang anew, with its own
+environment, working directory, `sys.path` (as `python` builds it from the argv and
+PYTHONPATH), `sys.argv`, `__main__`, stdin from /dev/null, exit status and output, like
+`subprocess.run(capture_output=True, text=True)`. What it cannot be is an interpreter started with other interpreter options;
 `run` takes only `-c CODE`, `-m MODULE` and `SCRIPT` argvs.
 """
 
@@ -52,7 +52,8 @@ PRELOAD = (
     "psutil",
 )
 
-OURS = ("sglang", "sglang_dsv4", "sgl_kernel")
+# Imported anew by each run, never by the server: upstream, its kernels, and this distribution.
+OURS = ("sglang", "sgl_kernel", "sglang_dsv4", "sgl_kernel_dsv4")
 
 
 def _ours(name: str) -> bool:
