@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import sglang
-from sglang_dsv4 import cpu_backend
+from sglang_dsv4 import cpu_backend, warm_python
 from sglang_dsv4.fixes import REGISTER
 from sglang_dsv4.maintain.export import __name__ as _export_module  # noqa: F401  (imports cleanly)
 
@@ -99,8 +97,8 @@ print(json.dumps({{"state": state, "ours": ours, "describe": cpu_backend.describ
 
 def run_probe(argv):
     env = {k: v for k, v in os.environ.items() if k != cpu_backend.ENV}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE.format(argv=argv))],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = warm_python.run(["-c", textwrap.dedent(PROBE.format(argv=argv))], env=env,
+                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

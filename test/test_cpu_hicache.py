@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,7 +23,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexe
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-from sglang_dsv4 import cpu_backend
+from sglang_dsv4 import cpu_backend, warm_python
 from sglang_dsv4.cpu_backend import hicache_hooks
 from support.dsv4 import small_pool
 
@@ -178,8 +176,7 @@ def test_a_cpu_server_installs_the_hooks_through_upstreams_registry(tmp_path):
 
     script = SERVER_PROCESS.format(model=str(tmp_path), test_dir=str(Path(__file__).parent))
     env = {k: v for k, v in os.environ.items() if k != cpu_backend.ENV}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    proc = warm_python.run(["-c", textwrap.dedent(script)], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"status": "applied", "moved": 1}
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 from nixl._bindings import nixlBackendError
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
-from sglang_dsv4 import cpu_backend
+from sglang_dsv4 import cpu_backend, warm_python
 from sglang_dsv4.cpu_backend import nixl_hooks, nixl_progress
 from support.nixl import HANG_GUARD_S, ucx_agent
 
@@ -175,8 +173,7 @@ def test_a_cpu_server_installs_the_hook_through_upstreams_registry(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"]}))
     script = SERVER_PROCESS.format(model=str(tmp_path), test_dir=str(Path(__file__).parent))
     env = {k: v for k, v in os.environ.items() if k != cpu_backend.ENV}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = warm_python.run(["-c", textwrap.dedent(script)], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"status": "applied", "wrapped": True, "kv_descs": 1, "idle_wait": True}

@@ -10,12 +10,11 @@ compared in a subprocess under TRITON_INTERPRET=1 (no GPU here).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from sglang_dsv4 import warm_python
 from sglang_dsv4.cpu_backend import ops, sparse_attention
 
 torch.manual_seed(0)
@@ -378,8 +377,7 @@ def test_v4_compressed_rows_read_back_by_upstream_dequantizer_equal_upstream_nor
     """Upstream's own Triton dequantizer reads the V4 pages this backend wrote, and upstream's
     Triton norm + rope (its HIP compressor path) gives the values they must hold (interpreter)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(UPSTREAM_TRITON)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = warm_python.run(["-c", textwrap.dedent(UPSTREAM_TRITON)], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROPE")][-1].split()
     rope_err, nope_err = float(line[1]), float(line[3])
@@ -479,8 +477,8 @@ def test_hc_head_and_compression_metadata_match_upstream_triton_kernels():
     """`ops.fused_hc_head` and `ops.init_compression_metadata` against upstream's Triton kernels
     they stand for (`_hc_head_kernel`, `_init_compressed_attn_metadata_kernel`), interpreted."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(UPSTREAM_TRITON_KERNELS)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = warm_python.run(["-c", textwrap.dedent(UPSTREAM_TRITON_KERNELS)], env=env,
+                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln.split() for ln in proc.stdout.splitlines()]
     err, magnitude = next(map(float, ln[1:]) for ln in lines if ln[0] == "HC_HEAD")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sglang_dsv4 import warm_python
 
 from benchmark import corruption, dsml, dsml_soak
 from benchmark.corruption import KINDS, ToolCall, check_response, repetition_loop
@@ -29,13 +29,8 @@ def kinds(content, calls=()):
 
 
 def soak(*options: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmark.dsml_soak", *options],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return warm_python.run(["-m", "benchmark.dsml_soak", *options], cwd=REPO_ROOT,
+                           timeout=timeout)
 
 
 def outputs(directory: Path) -> list[str]:

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang_dsv4 import warm_python
 
 from benchmark.gpu_check import correctness, harness, report, sglang_stage, tuner
 
@@ -38,7 +39,7 @@ def run_kit(*args, wrapper: str | None = None, timeout=240, interpret=True):
     if interpret:
         env["TRITON_INTERPRET"] = "1"  # a wrapper may import the kernel before the kit sets it
     if wrapper is None:
-        command = [sys.executable, "-m", "benchmark.gpu_check", *args]
+        command = ["-m", "benchmark.gpu_check", *args]
     else:
         launcher = (
             f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(harness.KERNEL_PATH)!r}]\n"
@@ -46,10 +47,8 @@ def run_kit(*args, wrapper: str | None = None, timeout=240, interpret=True):
             "from benchmark.gpu_check import harness\n"
             f"sys.exit(harness.main({list(args)!r}))\n"
         )
-        command = [sys.executable, "-c", launcher]
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+        command = ["-c", launcher]
+    return warm_python.run(command, env=env, cwd=REPO, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

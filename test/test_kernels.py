@@ -32,6 +32,7 @@ from sgl_kernel_dsv4.fp8_reference import (
     pack_fp8_index_pages,
     quantize_index_fp8,
 )
+from sglang_dsv4 import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -284,11 +285,11 @@ def test_fp8_reference_feeds_upstreams_sm120_path():
 def test_recall_benchmark_end_to_end(tmp_path):
     """The recall benchmark at a tiny size: table, JSON and PNG, and bf16 recovers at least as
     much of the exact top-k as fp8 on outlier-channel data."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "indexer_recall.py"), "--contexts", "300", "1200",
+    proc = warm_python.run(
+        [str(REPO / "benchmark" / "indexer_recall.py"), "--contexts", "300", "1200",
          "--queries", "12", "--heads", "16", "--topk", "64", "--outlier-gain", "24",
          "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recall@64 mean" in proc.stdout
@@ -306,10 +307,7 @@ def test_recall_benchmark_end_to_end(tmp_path):
 def test_kernel_benchmark_refuses_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA; the benchmark would run")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "indexer_kernels.py")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )
+    proc = warm_python.run([str(REPO / "benchmark" / "indexer_kernels.py")], timeout=120, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
 
@@ -319,6 +317,8 @@ def test_kernel_benchmark_table_width_under_the_interpreter(tmp_path):
     logits equal to the exact one's, the ratio reported (its value is a measurement, not
     checked here: --max-ratio is lifted)."""
     out = tmp_path / "widths.json"
+    # A cold interpreter: --interpret sets Triton's switch before Triton is imported, and refuses
+    # a process that already imported it (a warm-forked one has).
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmark" / "indexer_kernels.py"), "--interpret",
          "--batch", "2", "--keys", "200", "--heads", "16", "--iters", "1",
@@ -630,12 +630,11 @@ if INTERPRETED:
 else:
 
     def test_triton_kernel_under_interpreter():
-        proc = subprocess.run(
+        proc = warm_python.run(
             # --noconftest: the interpreted cases need neither sglang nor its plugins
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-             __file__, "-k", "interpreted"],
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-            capture_output=True, text=True, timeout=600, cwd=REPO,
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__, "-k",
+             "interpreted"],
+            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600, cwd=REPO,
         )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail

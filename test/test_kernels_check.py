@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sgl_kernel_dsv4 import compile_check as check
+from sglang_dsv4 import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 SM120 = check.TARGETS["sm_120"]
@@ -28,10 +27,8 @@ def cli(*args, env_extra=None):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'sgl-kernel' / 'python'}"}
     env.pop("TRITON_INTERPRET", None)
     env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "sglang_dsv4.cli", "kernels", *args],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
-    )
+    return warm_python.run(["-m", "sglang_dsv4.cli", "kernels", *args], env=env, cwd=REPO,
+                           timeout=900)
 
 
 @pytest.fixture(scope="module")

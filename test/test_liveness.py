@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
+
+from sglang_dsv4 import warm_python
 
 from benchmark.mock_server import read_stats, running
 
@@ -14,13 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def liveness(*options: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmark.liveness", "--timeout", "10", *options],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return warm_python.run(["-m", "benchmark.liveness", "--timeout", "10", *options],
+                           cwd=REPO_ROOT, timeout=120)
 
 
 def test_all_alive_exits_zero_with_one_line_each():

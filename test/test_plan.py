@@ -3,11 +3,10 @@ it answers the operator's questions, and bad input is one line, exit 2."""
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import sglang_dsv4.plan as plan_module
+from sglang_dsv4 import warm_python
 from sglang_dsv4.cli import main
 from sglang_dsv4.plan import GIB, GPUS_MIB, MIB, gpu_capacity
 from support.dsv4 import build_chain, build_pool, size_for_budget, storage_bytes
@@ -265,8 +264,8 @@ def test_page_size_is_refused_before_any_sizing(capsys, monkeypatch):
 
 
 def test_console_script_bad_input_has_no_traceback(tmp_path):
-    script = [sys.executable, "-m", "sglang_dsv4", "plan", "--model", str(tmp_path)]
-    done = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    script = ["-m", "sglang_dsv4", "plan", "--model", str(tmp_path)]
+    done = warm_python.run(script, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"sglang-dsv4 plan: --model {tmp_path}: no config.json in that folder"

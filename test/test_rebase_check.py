@@ -14,10 +14,10 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sglang_dsv4 import warm_python
 from sglang_dsv4.maintain import rebase_check, upstream
 from sglang_dsv4.maintain.rebase_check import ALREADY, BROKEN, NEEDED
 
@@ -187,12 +187,8 @@ def test_every_behaviour_test_file_belongs_to_exactly_one_fix():
 
 
 def test_unknown_fix_and_missing_tree_are_one_line_errors(tmp_path, capsys):
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_dsv4", "rebase-check", "--upstream-src", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    proc = warm_python.run(["-m", "sglang_dsv4", "rebase-check", "--upstream-src", str(tmp_path)],
+                           cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("sglang-dsv4 rebase-check: error: ")
     assert "holds no upstream sglang source" in proc.stderr
@@ -239,11 +235,8 @@ def test_plugin_results_read_from_junit_are_what_the_plugin_delivery_runs(pinned
     file = "test/behaviour/test_pool_sizing.py"
     env = rebase_check._env(pinned, plugin=True, skip=skip)
     junit = tmp_path / "tests.xml"
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", file,
-         f"--junitxml={junit}"],
-        cwd=REPO, env=env, capture_output=True, text=True,
-    )
+    warm_python.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file, f"--junitxml={junit}"],
+                    env=env, cwd=REPO)
     read = rebase_check.read_junit(junit, [file], tmp_path / "read")
     ran = rebase_check.run_tests(pinned, [file], True, skip, tmp_path / "ran")
     assert read == ran

@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from sglang_dsv4 import tiny_model
+from sglang_dsv4 import tiny_model, warm_python
 from sglang_dsv4.cli import main as cli_main
 
 LOADER = Path(__file__).resolve().parent / "support" / "tiny_load.py"
@@ -87,8 +86,7 @@ def test_weights_load_through_upstreams_loader(tiny):
     """Every parameter of upstream's DeepseekV4ForCausalLM is loaded from the checkpoint and holds
     what the checkpoint says (after upstream's renames, fusions and the wo_a fp8 dequant)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, str(LOADER), str(tiny)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = warm_python.run([str(LOADER), str(tiny)], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["architecture"] == "DeepseekV4ForCausalLM"

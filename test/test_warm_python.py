@@ -79,3 +79,25 @@ def test_a_run_past_its_timeout_is_killed_with_what_it_started(tmp_path):
 def test_other_interpreter_options_are_refused():
     with pytest.raises(ValueError, match="takes -c CODE, -m MODULE or SCRIPT"):
         warm_python.run(["-X", "importtime", "-c", "pass"])
+
+
+def test_what_is_read_at_import_is_the_childs_own_environment(tmp_path):
+    # torch reads OMP_NUM_THREADS when it is imported and triton reads TRITON_INTERPRET when a
+    # kernel is defined: a child with other values than the first server's gets a server of
+    # its own, and sees what a fresh interpreter with that environment sees.
+    script = tmp_path / "threads_and_kernel.py"  # Triton compiles only kernels from files
+    script.write_text(textwrap.dedent(
+        """
+        import os, torch, triton
+        @triton.jit
+        def k(x):
+            pass
+        print(torch.get_num_threads(), type(k).__name__, os.environ.get("OMP_NUM_THREADS"))
+        """
+    ))
+    for threads, interpret in (("1", "0"), ("2", "1"), ("1", "0")):
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "TRITON_INTERPRET": interpret}
+        cold, warm = both([str(script)], env=env)
+        assert cold.returncode == warm.returncode == 0, (cold.stderr[-2000:], warm.stderr[-2000:])
+        assert warm.stdout == cold.stdout
+        assert warm.stdout.split()[0] == threads

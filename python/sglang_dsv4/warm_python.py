@@ -160,19 +160,38 @@ def _serve() -> None:
 
 # --- the caller --------------------------------------------------------------------------------
 
-_server: subprocess.Popen | None = None
+# What the preloaded libraries (and the interpreter) read from the environment once, at start or
+# at import: thread pools (OMP_NUM_THREADS is read when torch is imported), Triton's interpreter
+# switch, Hugging Face's offline and cache settings, CUDA's device list, PYTHONHASHSEED. A child
+# whose environment differs from a server's in any of these is forked from a server started
+# with its own values; PYTHONPATH (each child sets its sys.path) and PYTHONUNBUFFERED (its
+# streams) are the child's to set.
+READ_AT_IMPORT = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMEXPR_", "TORCH", "PYTORCH_", "TRITON_",
+                  "CUDA_", "NVIDIA_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_",
+                  "PYTHON", "LD_", "MALLOC_")
+CHILD_SETS = ("PYTHONPATH", "PYTHONUNBUFFERED")
+
+_servers: dict[tuple, subprocess.Popen] = {}
 _lock = threading.Lock()
 
 
-def _started_server() -> subprocess.Popen:
-    global _server
-    if _server is None or _server.poll() is not None:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        _server = subprocess.Popen(
+def import_env(env: dict) -> tuple:
+    """The part of `env` that a process reads once: a server is started per distinct value."""
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(READ_AT_IMPORT) and k not in CHILD_SETS))
+
+
+def _started_server(env: dict) -> subprocess.Popen:
+    key = import_env(env)
+    server = _servers.get(key)
+    if server is None or server.poll() is not None:
+        # The caller's environment, with the child's values of what is read at import.
+        base = {k: v for k, v in os.environ.items() if not k.startswith(READ_AT_IMPORT)}
+        server = _servers[key] = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env, cwd="/",
+            stdout=subprocess.PIPE, text=True, env={**base, **dict(key)}, cwd="/",
         )
-    return _server
+    return server
 
 
 def run(argv: list[str], env: dict | None = None, cwd: str | os.PathLike | None = None,
@@ -188,8 +207,9 @@ def run(argv: list[str], env: dict | None = None, cwd: str | os.PathLike | None 
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch()
         err.touch()
-        server = _started_server()
-        request = {"argv": list(argv), "env": dict(os.environ if env is None else env),
+        env = dict(os.environ if env is None else env)
+        server = _started_server(env)
+        request = {"argv": list(argv), "env": env,
                    "cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err)}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
+from sglang_dsv4 import warm_python
 from support.live import first_divergence, generate, prompt_ids
 
 # Logprob agreement between a prefill and a decode step of the same position. Both paths read the
@@ -70,8 +70,8 @@ def test_an_idle_cpu_server_rests_while_a_busy_one_works(plain):
 def test_status_in_the_servers_environment_shows_every_fix_applied(plain):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                SGLANG_DSV4_INDEX_K_DTYPE="fp8")
-    proc = subprocess.run([sys.executable, "-m", "sglang_dsv4", "status", "--json", "--strict"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = warm_python.run(["-m", "sglang_dsv4", "status", "--json", "--strict"], env=env,
+                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     fixes = [f for f in report["fixes"] if f["implemented"]]

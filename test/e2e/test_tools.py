@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
+from sglang_dsv4 import warm_python
 from support.live import _env
 
 
 def _run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          env=_env(None), timeout=timeout)
+    return warm_python.run(["-m", *args], env=_env(None), timeout=timeout)
 
 
 def test_dsml_soak_runs_against_the_cpu_server(plain, tmp_path):

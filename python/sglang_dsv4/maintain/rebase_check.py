@@ -168,12 +168,12 @@ def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str],
     log = []
     while remaining := [f for f in files if f not in crashed]:
         # --durations: each delivery's log says which test waited how long.
-        cmd = [sys.executable, "-m", "pytest", "-v", "--no-header", "-p", "no:cacheprovider"]
+        # A fresh interpreter for each run, forked warm (torch and the other third-party
+        # imports done once): the tree's sglang is imported anew from PYTHONPATH.
+        cmd = ["-m", "pytest", "-v", "--no-header", "-p", "no:cacheprovider"]
         cmd += ["--durations=30", "--durations-min=1.0"]
         cmd += [*remaining, *(f"--deselect={node}" for node in outcomes)]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=_env(python_dir, plugin, skip), cwd=REPO_ROOT
-        )
+        proc = warm_python.run(cmd, env=_env(python_dir, plugin, skip), cwd=REPO_ROOT)
         log.append(proc.stdout + proc.stderr)
         last = None  # the test running when the output ended
         for line in proc.stdout.splitlines():
