@@ -142,7 +142,7 @@ def measure(url: str, runs: int, decode_tokens: int, timeout: float) -> dict:
 
 def run_suite(timeout: float) -> dict:
     begin = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "e2e", "test/e2e"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "e2e", "test/e2e"],
                           cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
     last = (proc.stdout.strip().splitlines() or ["no output"])[-1]

@@ -632,7 +632,7 @@ else:
     def test_triton_kernel_under_interpreter():
         proc = warm_python.run(
             # --noconftest: the interpreted cases need neither sglang nor its plugins
-            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__, "-k",
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--noconftest", __file__, "-k",
              "interpreted"],
             env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600, cwd=REPO,
         )

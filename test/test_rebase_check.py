@@ -235,7 +235,7 @@ def test_plugin_results_read_from_junit_are_what_the_plugin_delivery_runs(pinned
     file = "test/behaviour/test_pool_sizing.py"
     env = rebase_check._env(pinned, plugin=True, skip=skip)
     junit = tmp_path / "tests.xml"
-    warm_python.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file, f"--junitxml={junit}"],
+    warm_python.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", file, f"--junitxml={junit}"],
                     env=env, cwd=REPO)
     read = rebase_check.read_junit(junit, [file], tmp_path / "read")
     ran = rebase_check.run_tests(pinned, [file], True, skip, tmp_path / "ran")

@@ -23,6 +23,14 @@ from itertools import count
 _serial = count()
 
 
+def _subnet(n: int) -> int:
+    """A /30's third octet: the test worker's own half of 1-250 (pytest-xdist's gw0, gw1 run at
+    once), then this process's pid and serial."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    half = int(worker) % 2 if worker.isdigit() else 0
+    return half * 125 + (os.getpid() + n) % 125 + 1
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["ip", *args], capture_output=True, text=True, check=check, timeout=10
@@ -49,7 +57,7 @@ class TwoHosts:
         tag = f"{os.getpid() % 100000}x{n}"
         self.names = {"a": f"pda{tag}", "b": f"pdb{tag}"}
         self.links = {"a": f"vpa{tag}", "b": f"vpb{tag}"}
-        subnet = (os.getpid() + n) % 250 + 1
+        subnet = _subnet(n)
         self.a, self.b = f"10.237.{subnet}.1", f"10.237.{subnet}.2"
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []
@@ -133,7 +141,7 @@ class GuestHost:
         n = next(_serial)
         tag = f"{os.getpid() % 100000}x{n}"
         self.name, self.link, self.peer = f"pdg{tag}", f"vpg{tag}", f"vph{tag}"
-        subnet = (os.getpid() + n) % 250 + 1
+        subnet = _subnet(n)
         self.gateway, self.address = f"10.238.{subnet}.1", f"10.238.{subnet}.2"
         self._made = False
         try:
