@@ -3,13 +3,15 @@
 Upstream's modules import torch, transformers, triton and a dozen more libraries: some 12 of the
 13 CPU-seconds a fresh `python -c "import sglang.srt..."` spends before it runs anything. Checks
 that need a fresh process for SGLang (the plugin loader and HookRegistry run once per process;
-a probe must import an upstream tree alone) would pay that every time. Here they are forked
-from one server process (started at the first run) that imported those libraries once, and
-nothing of SGLang or of this distribution: each run imports SGLang anew, with its own
+a probe must import an upstream tree alone) would pay that every time. Here they are forked from
+a server process, started at the first run, that imported those libraries once and nothing of
+SGLang or of this distribution; there is one server per value of what the libraries read from
+the environment at import (READ_AT_IMPORT). Each run imports SGLang anew, with its own
 environment, working directory, `sys.path` (as `python` builds it from the argv and
 PYTHONPATH), `sys.argv`, `__main__`, stdin from /dev/null, exit status and output, like
-`subprocess.run(capture_output=True, text=True)`. What it cannot be is an interpreter started with other interpreter options;
-`run` takes only `-c CODE`, `-m MODULE` and `SCRIPT` argvs.
+`subprocess.run(capture_output=True, text=True)`. What it cannot be is an interpreter started
+with other interpreter options, or one that must set something before a preloaded library is
+imported: `run` takes only `-c CODE`, `-m MODULE` and `SCRIPT` argvs.
 """
 
 from __future__ import annotations
