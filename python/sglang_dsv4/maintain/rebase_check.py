@@ -167,11 +167,12 @@ def run_tests(python_dir: Path, files: list[str], plugin: bool, skip: list[str],
     crashed: set[str] = set()  # files whose remaining tests did not run
     log = []
     while remaining := [f for f in files if f not in crashed]:
-        # --durations: each delivery's log says which test waited how long.
         # A fresh interpreter for each run, forked warm (torch and the other third-party
         # imports done once): the tree's sglang is imported anew from PYTHONPATH.
         # -n 0: one process, whatever the project's addopts say (outcomes are read in order).
         cmd = ["-m", "pytest", "-v", "--no-header", "-p", "no:cacheprovider", "-n", "0"]
+        # --durations: each delivery's log says which test took how long (and, from the
+        # project's conftest, which waited idle).
         cmd += ["--durations=30", "--durations-min=1.0"]
         cmd += [*remaining, *(f"--deselect={node}" for node in outcomes)]
         proc = warm_python.run(cmd, env=_env(python_dir, plugin, skip), cwd=REPO_ROOT)
