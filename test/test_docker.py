@@ -141,6 +141,61 @@ def test_shellcheck_finds_nothing_in_the_entrypoint_and_launchers():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+IMAGE_SCRIPTS = [REPO / "scripts" / "build-image.sh", REPO / "scripts" / "image-smoke.sh"]
+
+
+def test_shellcheck_finds_nothing_in_the_image_scripts():
+    result = subprocess.run(
+        [tool("shellcheck"), *map(str, IMAGE_SCRIPTS)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def build_image(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if path is not None:
+        env["PATH"] = path
+    env.pop("IMAGE_BUILDER", None)
+    return subprocess.run([shutil.which("bash"), str(IMAGE_SCRIPTS[0]), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tga", "x"], "unknown argument '--tga'"),
+    (["--build-arg", "NOVALUE"], "--build-arg takes KEY=VALUE, got 'NOVALUE'"),
+    (["--ca-bundle", "/nonexistent/ca.pem"], "--ca-bundle: cannot read '/nonexistent/ca.pem'"),
+    (["--builder", "kaniko"], "unknown builder 'kaniko'"),
+    (["--tag"], "--tag needs a value"),
+])
+def test_build_image_refuses_bad_arguments_with_one_line_before_building(args, words):
+    result = build_image(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"build-image: {words}"), result.stderr
+    assert not result.stdout
+
+
+def test_build_image_without_any_builder_says_what_to_install(tmp_path):
+    # A PATH with what the script itself needs and no docker, podman or buildah.
+    for name in ("sed", "head", "dirname"):
+        (tmp_path / name).symlink_to(shutil.which(name))
+    result = build_image(path=str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr == ("build-image: no image builder here: install docker (with its "
+                             "engine), podman or buildah\n")
+
+
+def test_a_docker_client_without_an_engine_is_not_a_builder():
+    if not shutil.which("docker"):
+        pytest.skip("no docker client here")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+        pytest.skip("docker has an engine here")
+    result = build_image("--builder", "docker")
+    assert result.returncode == 2
+    assert "docker cannot build here (not installed, or docker without a running engine)" in (
+        result.stderr)
+
+
 # --- serving roles through upstream's parsers ---------------------------------------------
 
 
@@ -519,7 +574,7 @@ def test_the_dockerfile_installs_the_project_and_states_no_version_of_its_own():
     for name in ("sglang", "torch", "nixl", "sglang-router"):
         assert name in pins, f"pyproject.toml must pin {name} exactly (the image's one source)"
     runs = [args for word, args in dockerfile_instructions() if word == "RUN"]
-    assert any(re.search(r"\bpip install \.(\s|$)", r) for r in runs), (
+    assert any(re.search(r"\bpip install (--[a-z-]+ )*\.(\s|$)", r) for r in runs), (
         "the image installs this repository"
     )
     # Any `name==version` in the Dockerfile must be pyproject's own pin for that name.
@@ -530,6 +585,25 @@ def test_the_dockerfile_installs_the_project_and_states_no_version_of_its_own():
         key = canonicalize_name(name)
         assert key in pins, f"the Dockerfile pins {name}, which pyproject.toml does not"
         assert found == pins[key], f"{name}: Dockerfile {found}, pyproject.toml {pins[key]}"
+
+
+def test_the_dependency_layer_installs_exactly_pyprojects_dependencies(tmp_path):
+    # The layer the image builds before the project (so a code change does not rebuild 12 GB)
+    # installs what its own command reads out of pyproject.toml: run that command here.
+    steps = dockerfile_instructions()
+    layer = next(a for w, a in steps if w == "RUN" and "tomllib" in a)
+    command = re.search(r"(python3 -c '[^']*')\s*<\s*pyproject\.toml\s*>\s*(\S+)", layer)
+    assert command, layer
+    assert re.search(rf"pip install -r {re.escape(command[2])}(\s|$)", layer)
+    # pyproject.toml is the only project file the layer can see (copied just before it).
+    copies = [a for w, a in steps[: steps.index(("RUN", layer))] if w == "COPY"]
+    assert copies == ["pyproject.toml ./"]
+    argv = shlex.split(command[1])
+    argv[0] = sys.executable
+    out = subprocess.run(argv, stdin=(REPO / "pyproject.toml").open("rb"), capture_output=True,
+                         text=True, check=True).stdout
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert out.splitlines() == project["dependencies"]
 
 
 def test_the_pins_are_what_this_install_runs():
@@ -551,7 +625,8 @@ def test_the_base_image_is_the_cuda_line_torch_is_built_for():
     assert match, f"not a pinned nvidia/cuda devel tag: {image}"
     assert f"{match[1]}.{match[2]}" == torch.version.cuda == "13.0"
     froms = [a for w, a in dockerfile_instructions() if w == "FROM"]
-    assert froms == ["${CUDA_IMAGE} AS build", "${CUDA_IMAGE} AS runtime"]
+    # One stage: serving needs the compilers anyway, and a second would copy the environment.
+    assert froms == ["${CUDA_IMAGE}"]
 
 
 def test_the_runtime_stage_defaults_checks_and_runs_the_entrypoint():
@@ -560,15 +635,12 @@ def test_the_runtime_stage_defaults_checks_and_runs_the_entrypoint():
     steps = dockerfile_instructions()
     runtime = steps[max(i for i, (w, _) in enumerate(steps) if w == "FROM") :]
     text = "\n".join(f"{w} {a}" for w, a in runtime)
-    # sm_120 by default, in force in both stages; compose builds with the same default.
+    # sm_120 by default, in force in the stage; compose builds with the same default.
     global_args = steps[: next(i for i, (w, _) in enumerate(steps) if w == "FROM")]
     assert ("ARG", "TORCH_CUDA_ARCH_LIST=12.0") in global_args
-    for stage in ("AS build", "AS runtime"):
-        start = next(i for i, (w, a) in enumerate(steps) if w == "FROM" and a.endswith(stage))
-        body = " ".join(f"{w} {a}" for w, a in steps[start + 1 :])
-        body = body.split(" FROM ")[0]
-        assert "ARG TORCH_CUDA_ARCH_LIST" in body
-        assert "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}" in body
+    body = " ".join(f"{w} {a}" for w, a in runtime[1:])
+    assert "ARG TORCH_CUDA_ARCH_LIST" in body
+    assert "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}" in body
     compose_args = compose()["services"]["prefill"]["build"]["args"]
     assert interpolate(compose_args["TORCH_CUDA_ARCH_LIST"]) == "12.0"
     # bf16 index keys: the image's default, the same as the entrypoint's on bare metal.
