@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from benchmark.arg_types import DefaultsHelpFormatter, positive_float, positive_int
+from sglang_dsv4.acceptance.arg_types import DefaultsHelpFormatter, positive_float, positive_int
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"start_s": 60.0, "prefill_512_s": 2.0, "decode_step_s": 0.2, "suite_s": 12 * 60.0}

@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from benchmark.arg_types import positive_int
+from sglang_dsv4.acceptance.arg_types import positive_int
 
 TOPK = 512
 

@@ -22,7 +22,7 @@ import sys
 import time
 from importlib.metadata import entry_points
 
-from benchmark.arg_types import DefaultsHelpFormatter, positive_float, positive_int
+from sglang_dsv4.acceptance.arg_types import DefaultsHelpFormatter, positive_float, positive_int
 
 PLUGIN = "dsv4_sm120"
 GROUP = "sglang.srt.plugins"

@@ -233,6 +233,14 @@ crossed "$prefix-prefill" "Prefill batch.*#new-token: $prompt_tokens," "prefill 
 crossed "$prefix-decode" 'Decode batch' "decode step"
 crossed "$prefix-decode" '"POST /v1/chat/completions HTTP/1.1" 200' "answer"
 
+step liveness
+# The operator's liveness tool, from the image itself: health and one generation per server.
+podman run --rm --network host --entrypoint sglang-dsv4 "$image" liveness \
+	--prefill "http://127.0.0.1:$prefill_port" --decode "http://127.0.0.1:$decode_port" \
+	--router "http://127.0.0.1:$router_port" >"$work/liveness.log" 2>&1 ||
+	{ cat "$work/liveness.log" >&2; fail "liveness from the image failed"; }
+sed 's/^/  liveness| /' "$work/liveness.log" >&2
+
 step stop
 if ((keep == 0)); then
 	for name in "${containers[@]}"; do

@@ -55,3 +55,24 @@ def test_json_output_is_only_json_even_on_a_terminal(run_cli):
 
 def test_no_spinner_without_a_terminal(run_cli):
     assert run_cli(["stand-in"], Redirected()) == ("RESULT\n", "")
+
+
+def test_the_acceptance_tools_run_as_commands_with_their_own_parsers():
+    # `sglang-dsv4 liveness ...` is the tool's own parser and main, run from the installed
+    # package (the image carries it): bad input is its one usage line, exit 2, as with -m.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = str(Path(sys.executable).parent / "sglang-dsv4")  # the installed console script
+    listed = subprocess.run([command, "--help"], capture_output=True, text=True)
+    assert listed.returncode == 0
+    for name in cli.TOOLS:
+        assert name in listed.stdout
+        helped = subprocess.run([command, name, "--help"], capture_output=True, text=True)
+        assert helped.returncode == 0, helped.stderr
+        assert helped.stdout.startswith(f"usage: sglang-dsv4 {name} "), helped.stdout[:80]
+    refused = subprocess.run([command, "liveness", "--prefill", "not-a-url"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1].startswith("sglang-dsv4 liveness: error:"), refused.stderr

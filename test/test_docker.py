@@ -729,10 +729,10 @@ def test_two_host_commands_in_the_readme_render_and_agree(parse_server, parse_ro
     assert router.prefill_urls == [(address["prefill_url"], 8998)]
     assert router.decode_urls == [address["decode_url"]]
     # The liveness commands probe those hosts, not 127.0.0.1.
-    from benchmark.liveness import build_parser
+    from sglang_dsv4.acceptance.liveness import build_parser
 
-    (liveness,) = [w for w in commands if w[:3] == ["python", "-m", "benchmark.liveness"]]
-    probe = build_parser().parse_args(liveness[3:])
+    (liveness,) = [w for w in commands if w[:2] == ["sglang-dsv4", "liveness"]]
+    probe = build_parser().parse_args(liveness[2:])
     assert probe.prefill == [address["prefill_url"]]
     assert probe.decode == [address["decode_url"]]
     assert probe.router == [f"http://{address['prefill']}:{router.port}"]

@@ -1,6 +1,6 @@
 """The DSML corruption checker, and the soak end to end against the project's mock server.
 
-The mock server (benchmark/mock_server.py, 127.0.0.1 only) stands in for a DeepSeek-V4
+The mock server (test/support/mock_server.py, 127.0.0.1 only) stands in for a DeepSeek-V4
 deployment, which this machine cannot run; it counts what it injects, and the soak's measurement
 is compared with those counts.
 """
@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from sglang_dsv4 import warm_python
-
-from benchmark import corruption, dsml, dsml_soak
-from benchmark.corruption import KINDS, ToolCall, check_response, repetition_loop
-from benchmark.dsml_soak import TOOL_SCHEMAS, TOOLS, wilson
-from benchmark.mock_server import RATE_FLAGS, read_stats, running
+from sglang_dsv4.acceptance import corruption, dsml, dsml_soak
+from sglang_dsv4.acceptance.corruption import KINDS, ToolCall, check_response, repetition_loop
+from sglang_dsv4.acceptance.dsml_soak import TOOL_SCHEMAS, TOOLS, wilson
+from support.mock_server import RATE_FLAGS, read_stats, running
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CALL = ("read_file", {"path": "src/cache/page.py", "max_lines": 40})
@@ -29,7 +28,7 @@ def kinds(content, calls=()):
 
 
 def soak(*options: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return warm_python.run(["-m", "benchmark.dsml_soak", *options], cwd=REPO_ROOT,
+    return warm_python.run(["-m", "sglang_dsv4.acceptance.dsml_soak", *options], cwd=REPO_ROOT,
                            timeout=timeout)
 
 

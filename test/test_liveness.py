@@ -1,4 +1,4 @@
-"""benchmark/liveness.py against the project's mock server (127.0.0.1), which stands in for the
+"""python/sglang_dsv4/acceptance/liveness.py against the project's mock server (127.0.0.1), which stands in for the
 prefill, decode and router servers of a PD deployment this machine cannot run."""
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ import subprocess
 from pathlib import Path
 
 from sglang_dsv4 import warm_python
-
-from benchmark.mock_server import read_stats, running
+from support.mock_server import read_stats, running
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def liveness(*options: str) -> subprocess.CompletedProcess:
-    return warm_python.run(["-m", "benchmark.liveness", "--timeout", "10", *options],
+    return warm_python.run(["-m", "sglang_dsv4.acceptance.liveness", "--timeout", "10", *options],
                            cwd=REPO_ROOT, timeout=120)
 
 

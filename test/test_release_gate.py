@@ -1,4 +1,4 @@
-"""benchmark/release_gate.py end to end on loopback: the real soak and upstream's bench_serving
+"""python/sglang_dsv4/acceptance/release_gate.py end to end on loopback: the real soak and upstream's bench_serving
 against the project's mock server (127.0.0.1), which stands in for the router, prefill and decode
 servers of a DeepSeek-V4 PD deployment, /metrics included; this machine cannot run one. The mock
 counts what it injects, and each verdict line is compared with that truth.
@@ -20,12 +20,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from sglang_dsv4.acceptance import release_gate
+from sglang_dsv4.acceptance.dsml_soak import Z95, wilson
+from sglang_dsv4.acceptance.release_gate import judge_sanitizer, parse_metrics, server_round
+from support import mock_server
+from support.mock_server import Metrics, Settings, read_stats, running
 from support.tokenizer import word_tokenizer
-
-from benchmark import mock_server, release_gate
-from benchmark.dsml_soak import Z95, wilson
-from benchmark.mock_server import Metrics, Settings, read_stats, running
-from benchmark.release_gate import judge_sanitizer, parse_metrics, server_round
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SESSIONS, TURNS = 6, 6
@@ -50,7 +50,7 @@ FAULTS = (
 
 
 def gate_command(*options: str) -> list[str]:
-    return [sys.executable, "-m", "benchmark.release_gate", *options]
+    return [sys.executable, "-m", "sglang_dsv4.acceptance.release_gate", *options]
 
 
 def gate_env() -> dict:

@@ -1,4 +1,4 @@
-"""benchmark/throughput.py end to end: upstream's sglang.benchmark.serving, run as a child process
+"""python/sglang_dsv4/acceptance/throughput.py end to end: upstream's sglang.benchmark.serving, run as a child process
 per concurrency, against the project's mock server (127.0.0.1; it stands in for a DeepSeek-V4
 deployment), with the word-level tokenizer of support.tokenizer so nothing comes from the hub."""
 
@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_dsv4.acceptance.throughput import compare
+from support.mock_server import read_stats, running
 from support.tokenizer import word_tokenizer
-
-from benchmark.mock_server import read_stats, running
-from benchmark.throughput import compare
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ITL_SECONDS = 0.002
@@ -28,7 +27,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def throughput(*options: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "benchmark.throughput", *options],
+        [sys.executable, "-m", "sglang_dsv4.acceptance.throughput", *options],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -39,6 +39,27 @@ COMMANDS = {
     ),
 }
 
+# The acceptance tools an operator runs against a deployment (sglang_dsv4.acceptance): each keeps
+# its own parser and `main(argv)`, so `sglang-dsv4 NAME ARGS` is `python -m MODULE ARGS`.
+TOOLS = {
+    "liveness": (
+        "sglang_dsv4.acceptance.liveness",
+        "every server of a PD deployment healthy and able to generate, one line each",
+    ),
+    "soak": (
+        "sglang_dsv4.acceptance.dsml_soak",
+        "DSML tool-call corruption soak: concurrent multi-turn sessions, every response checked",
+    ),
+    "throughput": (
+        "sglang_dsv4.acceptance.throughput",
+        "upstream's serving benchmark at concurrency 1 and 32, one table, against a baseline",
+    ),
+    "release-gate": (
+        "sglang_dsv4.acceptance.release_gate",
+        "rounds of soak and throughput with every server's counters: pass or fail a release",
+    ),
+}
+
 _progress = None  # (rich Progress, task id) while a command runs on a terminal
 
 
@@ -113,10 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(cmd)
+    for name, (module, help_text) in TOOLS.items():
+        # Listed for --help; main() hands their arguments to the tool's own parser.
+        sub.add_parser(name, help=help_text, description=f"{help_text} (python -m {module})")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        tool = importlib.import_module(TOOLS[argv[0]][0])
+        return tool.main(argv[1:])
     args = build_parser().parse_args(argv)
     quiet_upstream_imports()
     with progress(args.command, quiet=getattr(args, "json", False)):

@@ -18,7 +18,7 @@ def _run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
 
 def test_dsml_soak_runs_against_the_cpu_server(plain, tmp_path):
     out = tmp_path / "soak.json"
-    proc = _run(["benchmark.dsml_soak", "--base-url", plain.url, "--sessions", "2", "--turns", "2",
+    proc = _run(["sglang_dsv4.acceptance.dsml_soak", "--base-url", plain.url, "--sessions", "2", "--turns", "2",
                  "--max-tokens", "24", "--temperature", "0", "--target-context", "1500", "--json", str(out)])
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -35,11 +35,11 @@ def test_release_gate_runs_against_the_cpu_server(plain, tiny_model_dir, tmp_pat
     load = ["--concurrency", "2", "--num-prompts", "4", "--input-len", "64", "--output-len", "8",
             "--dataset", "random-ids", "--tokenizer", str(tiny_model_dir)]
     baseline = tmp_path / "baseline.json"
-    proc = _run(["benchmark.throughput", "--base-url", plain.url, *load,
+    proc = _run(["sglang_dsv4.acceptance.throughput", "--base-url", plain.url, *load,
                  "--out-dir", str(tmp_path / "throughput"), "--json", str(baseline)])
     assert baseline.exists(), proc.stderr[-3000:]
     out = tmp_path / "gate.json"
-    proc = _run(["benchmark.release_gate", "--router", plain.url, "--decode", plain.url,
+    proc = _run(["sglang_dsv4.acceptance.release_gate", "--router", plain.url, "--decode", plain.url,
                  "--baseline", str(baseline),
                  "--rounds", "1", "--sessions", "2", "--turns", "2", "--max-tokens", "16",
                  # inside the tiny model's 4096 positions (the default grows past them: HTTP 400)

@@ -441,7 +441,7 @@ def generate(target, input_ids: list[int], max_new_tokens: int, top_logprobs: in
 
 def sanitizer_counts(target) -> dict | None:
     """{kind: violations} from a server's /metrics (None: the sanitizer's counter is absent)."""
-    from benchmark.release_gate import parse_metrics
+    from sglang_dsv4.acceptance.release_gate import parse_metrics
 
     status, text = target.get("/metrics")
     if status != 200:

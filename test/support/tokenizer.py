@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmark.mock_server import WORDS
+from support.mock_server import WORDS
 
 
 def word_tokenizer(path: Path) -> Path:

@@ -1,6 +1,6 @@
 """Liveness of a PD deployment: every server healthy and able to generate, one line each.
 
-    python -m benchmark.liveness --prefill http://p0:30000 --decode http://d0:30001 \\
+    sglang-dsv4 liveness --prefill http://p0:30000 --decode http://d0:30001 \\
         --router http://router:8000
 
 For each server: GET /health, then one short generation. Prefill and decode servers cannot serve
@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from benchmark.arg_types import DefaultsHelpFormatter
+from sglang_dsv4.acceptance.arg_types import DefaultsHelpFormatter
 
 ROLES = ("prefill", "decode", "router")
 
@@ -108,7 +108,7 @@ def check(role: str, url: str, model: str | None, timeout: float) -> Check:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmark.liveness",
+        prog="sglang-dsv4 liveness",
         formatter_class=DefaultsHelpFormatter,
         description="Health and one short generation per server of a PD deployment.",
     )

@@ -1,12 +1,12 @@
 """Release gate: a build is called good only when a running deployment passes every criterion.
 
-    python -m benchmark.release_gate --router http://router:8000 \\
+    sglang-dsv4 release-gate --router http://router:8000 \\
         --prefill http://prefill-0:30000 --decode http://decode-0:30001 \\
         --tokenizer deepseek-ai/DeepSeek-V4-Flash --baseline tp-release.json --rounds 5
 
-Each round runs the DSML soak (benchmark.dsml_soak; default the production shape: 64 sessions
+Each round runs the DSML soak (sglang_dsv4.acceptance.dsml_soak; default the production shape: 64 sessions
 growing to 80k tokens with tool calls) through the router, then the throughput matrix
-(benchmark.throughput, on upstream's bench_serving), and reads every server's /metrics before the
+(sglang_dsv4.acceptance.throughput, on upstream's bench_serving), and reads every server's /metrics before the
 first round and after each. The gate passes only when, over all rounds:
 
 - corruption: the soak's detector found 0 corrupt responses, and enough were checked to rule out
@@ -44,13 +44,12 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
+
 from sglang_dsv4 import metrics
+from sglang_dsv4.acceptance import throughput
+from sglang_dsv4.acceptance.arg_types import positive_float, positive_int
+from sglang_dsv4.acceptance.dsml_soak import wilson
 
-from benchmark import throughput
-from benchmark.arg_types import positive_float, positive_int
-from benchmark.dsml_soak import wilson
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_METRIC = metrics.SANITIZER_VIOLATIONS
 NIXL_METRIC = metrics.NIXL_CONTROL_THREAD_EVENTS
 CRITERIA = ("corruption", "sanitizer", "failed requests", "NIXL control threads", "throughput")
@@ -149,7 +148,7 @@ def run_soak(args: argparse.Namespace, number: int, out: Path) -> dict:
         "--json": report,
         "--examples": out / "soak-bad.jsonl",
     }
-    command = [sys.executable, "-m", "benchmark.dsml_soak"]
+    command = [sys.executable, "-m", "sglang_dsv4.acceptance.dsml_soak"]
     for flag, value in options.items():
         if value is not None:
             command += [flag, str(value)]
@@ -158,7 +157,6 @@ def run_soak(args: argparse.Namespace, number: int, out: Path) -> dict:
         try:
             done = subprocess.run(
                 command,
-                cwd=REPO_ROOT,
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 timeout=args.soak_max_duration + args.request_timeout + 120,
@@ -574,7 +572,7 @@ def draw_plot(report: dict, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmark.release_gate",
+        prog="sglang-dsv4 release-gate",
         description="Soak, throughput matrix and the servers' metrics, round after round; one "
         "verdict: PASS only when every criterion is met.",
     )
@@ -611,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument(
         "--baseline",
         help="throughput JSON of the build to compare with "
-        "(benchmark.throughput --json, or an earlier gate's JSON)",
+        "(sglang-dsv4 throughput --json, or an earlier gate's JSON)",
     )
     bar.add_argument("--max-drop-percent", type=float, default=5.0)
     bar.add_argument(
@@ -620,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail when a server does not expose the sanitizer's counter",
     )
 
-    soak = parser.add_argument_group("the soak (benchmark.dsml_soak)")
+    soak = parser.add_argument_group("the soak (sglang_dsv4.acceptance.dsml_soak)")
     soak.add_argument("--sessions", type=positive_int, default=64)
     soak.add_argument("--turns", type=positive_int, default=40)
     soak.add_argument("--target-context", type=positive_int, default=80_000)
@@ -632,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--request-timeout", type=positive_float, default=600.0)
     soak.add_argument("--soak-max-duration", type=positive_float, default=4 * 3600.0)
 
-    matrix = parser.add_argument_group("the throughput matrix (benchmark.throughput)")
+    matrix = parser.add_argument_group("the throughput matrix (sglang-dsv4 throughput)")
     matrix.add_argument("--tokenizer")
     matrix.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 32])
     matrix.add_argument("--num-prompts", type=positive_int, default=64)
@@ -722,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.baseline:
         parser.error(
-            "--baseline is required (make one with: python -m benchmark.throughput --json)"
+            "--baseline is required (make one with: python -m sglang-dsv4 throughput --json)"
         )
     if not args.combine:
         if not args.router:

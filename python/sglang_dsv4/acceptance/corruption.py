@@ -16,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from benchmark import dsml
+from sglang_dsv4.acceptance import dsml
 
 KINDS = ("dsml_leak", "truncated_markup", "malformed_tool_call", "repetition")
 

@@ -1,6 +1,6 @@
 """DSML tool-call corruption soak: many long agent sessions at once, every answer checked.
 
-    python -m benchmark.dsml_soak --base-url http://router:8000 --sessions 64 \\
+    sglang-dsv4 soak --base-url http://router:8000 --sessions 64 \\
         --target-context 80000 --json soak.json --examples soak-bad.jsonl
 
 Each session is a coding agent with five tools. It sends a task, executes every tool call it gets
@@ -8,7 +8,7 @@ back (with made-up but realistic results: file contents, search hits, command lo
 results back; when the model answers in prose it gets a follow-up message carrying pasted
 material. Both are sized so that the prompt grows to --target-context tokens over --turns
 requests (sizes are corrected by the prompt_tokens the server reports). Every assistant response
-is checked for the kinds in benchmark.corruption. HTTP errors, timeouts and broken streams count
+is checked for the kinds in sglang_dsv4.acceptance.corruption. HTTP errors, timeouts and broken streams count
 as errors, never as corruption, and the client does not retry (a retry would hide them).
 """
 
@@ -31,8 +31,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmark.arg_types import DefaultsHelpFormatter, positive_float, positive_int, rate
-from benchmark.corruption import KINDS, ToolCall, check_response
+from sglang_dsv4.acceptance.arg_types import (
+    DefaultsHelpFormatter,
+    positive_float,
+    positive_int,
+    rate,
+)
+from sglang_dsv4.acceptance.corruption import KINDS, ToolCall, check_response
 
 Z95 = 1.959964  # two-sided 95 % normal quantile
 
@@ -549,7 +554,7 @@ def print_report(report: dict, console: Console) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmark.dsml_soak",
+        prog="sglang-dsv4 soak",
         formatter_class=DefaultsHelpFormatter,
         description="Concurrent multi-turn tool-calling sessions; every answer checked for DSML "
         "leaks, truncated markup, malformed tool calls and repetition loops.",

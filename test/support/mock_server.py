@@ -1,6 +1,6 @@
 """A small OpenAI-compatible server that answers like a tool-using model, for dry runs and tests.
 
-    python -m benchmark.mock_server --port 8123 --leak-rate 0.05 --http-error-rate 0.01
+    PYTHONPATH=test python -m support.mock_server --port 8123 --leak-rate 0.05 --http-error-rate 0.01
 
 It listens on 127.0.0.1 only and serves what the benchmarks use: /v1/chat/completions (plain and
 streamed, tool calls included), /v1/models, /health, /health_generate, /metrics (the Prometheus
@@ -36,12 +36,11 @@ from pathlib import Path
 import prometheus_client
 from aiohttp import web
 from sglang_dsv4 import metrics
+from sglang_dsv4.acceptance import dsml
+from sglang_dsv4.acceptance.arg_types import DefaultsHelpFormatter, rate, seconds
+from sglang_dsv4.acceptance.corruption import KINDS
 
-from benchmark import dsml
-from benchmark.arg_types import DefaultsHelpFormatter, rate, seconds
-from benchmark.corruption import KINDS
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+TEST_DIR = Path(__file__).resolve().parent.parent  # `-m support.mock_server` runs from here
 
 WORDS = (
     "the build cache test module parser request server config layer token batch queue worker "
@@ -464,7 +463,7 @@ def _error(status: int, message: str) -> web.Response:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmark.mock_server",
+        prog="python -m support.mock_server",
         formatter_class=DefaultsHelpFormatter,
         description="OpenAI-compatible mock of a tool-using model on 127.0.0.1, with injected faults.",
     )
@@ -590,14 +589,14 @@ def running(*options: str, startup_timeout: float = 60.0, lifetime: float = 600.
     command = [
         sys.executable,
         "-m",
-        "benchmark.mock_server",
+        "support.mock_server",
         "--port",
         "0",
         "--exit-after",
         str(lifetime),
         *options,
     ]
-    child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(command, cwd=TEST_DIR, stdout=subprocess.PIPE, text=True)
     try:
         with selectors.DefaultSelector() as selector:
             selector.register(child.stdout, selectors.EVENT_READ)
