@@ -110,6 +110,8 @@ for tool in podman mmdebstrap python3 curl; do
 	}
 done
 mkdir -p "$work"
+# Absolute: podman reads a relative `-v` source as the name of a volume.
+work=$(cd "$work" && pwd)
 for name in "${containers[@]}"; do podman rm -f -t 5 "$name" >/dev/null 2>&1 || true; done
 
 step base
