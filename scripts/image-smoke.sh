@@ -138,14 +138,14 @@ say "$built"
 
 step status
 # `docker run --rm sglang-dsv4-sm120 status --strict`: every fix applies in the image.
-podman run --rm "$image" status --strict >"$work/status.log" 2>&1 ||
+podman run --rm --no-healthcheck "$image" status --strict >"$work/status.log" 2>&1 ||
 	{ cat "$work/status.log" >&2; fail "status --strict failed in the image"; }
 sed 's/^/  status| /' "$work/status.log" >&2
 
 step tiny-model
 rm -rf "$work/model"
 install -d -m 0777 "$work/model"
-podman run --rm --entrypoint sglang-dsv4 -v "$work/model:/out" "$image" tiny-model --out /out \
+podman run --rm --no-healthcheck --entrypoint sglang-dsv4 -v "$work/model:/out" "$image" tiny-model --out /out \
 	>"$work/tiny-model.log" 2>&1 || { cat "$work/tiny-model.log" >&2; fail "tiny-model failed"; }
 
 step serve
@@ -237,7 +237,7 @@ crossed "$prefix-decode" '"POST /v1/chat/completions HTTP/1.1" 200' "answer"
 
 step liveness
 # The operator's liveness tool, from the image itself: health and one generation per server.
-podman run --rm --network host --entrypoint sglang-dsv4 "$image" liveness \
+podman run --rm --no-healthcheck --network host --entrypoint sglang-dsv4 "$image" liveness \
 	--prefill "http://127.0.0.1:$prefill_port" --decode "http://127.0.0.1:$decode_port" \
 	--router "http://127.0.0.1:$router_port" >"$work/liveness.log" 2>&1 ||
 	{ cat "$work/liveness.log" >&2; fail "liveness from the image failed"; }
