@@ -1,4 +1,5 @@
-"""Argument types the benchmark tools share: argparse turns their errors into one usage line."""
+"""Argument types the acceptance tools and the benchmarks share: argparse turns their errors into
+one usage line."""
 
 from __future__ import annotations
 
