@@ -45,7 +45,7 @@ def test_decision_needs_device_cpu_and_a_deepseek_v4_model(dsv4_dir, tmp_path_fa
 def test_entries_set_upstream_switches_and_record_the_decision(dsv4_dir):
     environ = {"SGLANG_SM120_FLASHMLA_BACKEND": "flashinfer"}
     argv = ["x", "--model-path", str(dsv4_dir), "--device", "cpu"]
-    entry, index, nixl, hicache = cpu_backend.entries(argv, environ)
+    entry, index, nixl, hicache, invariant = cpu_backend.entries(argv, environ)
     assert index.id == "cpu-backend-index"
     assert nixl.id == "cpu-backend-nixl"
     assert nixl.upstream_modules == (
@@ -55,6 +55,9 @@ def test_entries_set_upstream_switches_and_record_the_decision(dsv4_dir):
     assert hicache.upstream_modules == (
         "sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.pool_host.common",
         "sglang.srt.mem_cache.memory_pool_host")
+    assert invariant.id == "cpu-backend-batch-invariant"
+    assert invariant.upstream_modules == ("sglang.srt.batch_invariant_ops",
+                                          "sglang.srt.layers.layernorm")
     assert entry.id == cpu_backend.ID and entry.upstream_modules == cpu_backend.UPSTREAM_MODULES
     assert environ[cpu_backend.ENV] == "1"
     for name, value in cpu_backend.SWITCHES.items():
@@ -133,10 +136,12 @@ def test_triton_path_is_opt_in(dsv4_dir):
     argv = ["x", "--model-path", str(dsv4_dir), "--device", "cpu"]
     # by default the bf16 index logits take the torch op; opting in, the Triton kernel instead
     assert [e.id for e in cpu_backend.entries(argv, {})] == [
-        cpu_backend.ID, "cpu-backend-index", "cpu-backend-nixl", "cpu-backend-hicache"]
+        cpu_backend.ID, "cpu-backend-index", "cpu-backend-nixl", "cpu-backend-hicache",
+        "cpu-backend-batch-invariant"]
     both = cpu_backend.entries(argv, {cpu_backend.TRITON_ENV: "1"})
     assert [e.id for e in both] == [
-        cpu_backend.ID, "cpu-backend-triton", "cpu-backend-nixl", "cpu-backend-hicache"]
+        cpu_backend.ID, "cpu-backend-triton", "cpu-backend-nixl", "cpu-backend-hicache",
+        "cpu-backend-batch-invariant"]
     from sglang_dsv4.cpu_backend import index_hooks
 
     assert [r.target for r in index_hooks.FIX.replaces] == [

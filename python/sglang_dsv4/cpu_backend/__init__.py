@@ -38,7 +38,10 @@ they take `sparse_attention.bf16_paged_mqa_logits` (`index_hooks`). A PD server'
 are registered and moved as host memory and a prefill's early send of a cached prefix records no
 CUDA event (`nixl_hooks`); its NIXL progress threads wait when idle instead of polling a core
 flat out (`nixl_progress`). A HiCache server's host pools are plain host memory and their pages
-move by torch copies (`hicache_hooks`). A launch_server command line
+move by torch copies (`hicache_hooks`). With
+`--enable-deterministic-inference` the launcher accepts the dsv4 backend and upstream's
+batch-invariant mode runs on the CPU: row-blocked GEMMs and the batch-independent paths of the
+CPU attention and index scores (`batch_invariant`). A launch_server command line
 that sizes no KV pool gets `--max-total-tokens DEFAULT_POOL_TOKENS` (`_default_pool`), and one
 without `--sleep-on-idle` gets it, so an idle CPU server waits on its sockets instead of polling a
 core flat out (`_default_sleep_on_idle`; SGLANG_DSV4_CPU_SLEEP_ON_IDLE=0 or a `--config` file
@@ -191,6 +194,13 @@ def entries(argv: list[str] | None = None, environ=None) -> tuple:
                           ("sglang.srt.mem_cache.pool_host.base",
                            "sglang.srt.mem_cache.pool_host.common",
                            "sglang.srt.mem_cache.memory_pool_host")))
+    # --enable-deterministic-inference: the launcher accepts it for dsv4, the schedulers' mode
+    # switch and RMSNorm branch run on the CPU.
+    from sglang_dsv4.cpu_backend import batch_invariant
+
+    batch_invariant.allow_dsv4_deterministic()
+    entries.append(_entry(batch_invariant.ID, "sglang_dsv4.cpu_backend.batch_invariant",
+                          batch_invariant.UPSTREAM_MODULES))
     return tuple(entries)
 
 

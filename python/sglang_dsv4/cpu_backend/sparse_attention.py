@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_dsv4.cpu_backend import batch_invariant
 from sglang_dsv4.cpu_backend.ops import (
     V4_DATA_BYTES,
     V4_NOPE,
@@ -129,9 +130,11 @@ def sparse_mla(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_
         rows = slice(start, min(tokens, start + step))
         mask = ~valid[rows]
         rows_used, local = distinct(pos[rows], table.shape[0])
-        if rows_used.numel() * 2 <= local.numel():
+        if rows_used.numel() * 2 <= local.numel() and not batch_invariant.enabled():
             # the chunk's tokens share most of their rows (a prefill's window, the compressed
-            # rows): scores against each distinct row once, read back per index
+            # rows): scores against each distinct row once, read back per index. Not in the
+            # batch-invariant mode: which rows a chunk shares, and so each sum's order, depends
+            # on what else is in the chunk; the gathered path attends token by token.
             part_out, part_lse = _attend_shared(qf[rows], table[rows_used], local, mask, heads,
                                                 idle, sink, head_dim_v, softmax_scale)
         else:
@@ -257,7 +260,9 @@ def _paged_scores(query, weight, keys, scales, local, block, round_bf16, chunk_v
             score = score.bfloat16().float()
         return (score.relu_() * w.unsqueeze(-1)).sum(dim=1)
 
-    if keys.shape[0] * 2 <= batch * span:
+    # The batch-invariant mode always takes the shared path: which path a batch takes depends
+    # on the batch, and the two paths' products round differently.
+    if keys.shape[0] * 2 <= batch * span or batch_invariant.enabled():
         columns = (local.unsqueeze(-1) * block + torch.arange(block)).reshape(batch, -1)
         step = max(1, int(chunk_values) // max(1, heads * keys.shape[0]))
         for start in range(0, batch, step):

@@ -1,0 +1,164 @@
+"""The CPU backend's batch-invariant mode: `--enable-deterministic-inference` on `--device cpu`.
+
+Upstream's mode (`sglang.srt.batch_invariant_ops`) registers Triton matmul, bmm, mean,
+log-softmax and RMSNorm kernels for the CUDA, XPU or NPU dispatch key; on a CPU it stops at
+`get_dispatch_device_backend` ("No supported accelerator"), and its choice lists do not name the
+dsv4 attention backend, so upstream refuses DeepSeek-V4 with the flag on any device.
+
+What breaks invariance on this CPU (measured with one intra-op thread, the backend's default):
+an fp32 GEMM's row depends on how many rows the call has (oneDNN/MKL pick a kernel by M: a row
+computed with M=1 differs from the same row with M=2 and again with M>=4; bf16 GEMMs were equal at
+every M tried, and bmm is equal whatever its batch count but not whatever its row count). Row
+reductions (sum, mean, softmax, log-softmax, top-k along the last dimension) gave the same row
+at every M. So the mode here makes the GEMMs invariant by construction: every `aten::mm`,
+`aten::addmm` and `aten::bmm` on a CPU tensor is computed in blocks of `ROWS` rows, each block
+padded to `ROWS` and computed by the same kernel call shape (`mm.out` / `bmm.out`, which the
+mode leaves as they are), so a row's bytes depend only on that row and the other operand, never
+on how many rows were batched or chunked with it. The bias of `addmm` is added after the
+product, row by row. RMSNorm's batch-invariant branch takes a torch RMSNorm instead of upstream's
+Triton kernel (interpreted on a CPU).
+
+Nothing here changes a server without the flag, or any GPU path: the module is installed only in
+a process where the CPU backend is on, and the aten kernels change only once upstream's
+ModelRunner turns the mode on (`--enable-deterministic-inference`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_dsv4.fix import Fix, Replace
+
+ID = "cpu-backend-batch-invariant"
+MODULE = "sglang.srt.batch_invariant_ops"
+LAYERNORM = "sglang.srt.layers.layernorm"
+UPSTREAM_MODULES = (MODULE, LAYERNORM)
+# Rows per GEMM call in the mode: a decode step of one request pays for 16 rows (the tiny
+# model's GEMMs are small), a 4,096-token prefill makes 256 calls per linear layer.
+ROWS = 16
+ATTENTION_BACKEND = "dsv4"
+
+_library = None  # the torch.library registration, kept alive while the mode is on
+
+
+def allow_dsv4_deterministic() -> None:
+    """Name the dsv4 attention backend in upstream's deterministic-inference choice lists, by
+    upstream's own registration functions: without it the launcher refuses the flag, and without
+    the radix entry it turns the radix cache off."""
+    from sglang.srt.arg_groups import choices
+
+    if ATTENTION_BACKEND not in choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        choices.add_deterministic_attention_backend_choices([ATTENTION_BACKEND])
+    if ATTENTION_BACKEND not in choices.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND:
+        choices.add_radix_supported_deterministic_attention_backend_choices([ATTENTION_BACKEND])
+
+
+def _row_blocks(rows: int):
+    for start in range(0, rows, ROWS):
+        yield start, min(start + ROWS, rows)
+
+
+def invariant_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None):
+    """a @ b, each `ROWS`-row block of `a` padded and multiplied by one `mm.out` call of the same
+    shape: row i of the result is a function of a[i] and b alone."""
+    rows, inner = a.shape
+    dtype = out_dtype or torch.result_type(a, b)
+    result = torch.empty((rows, b.shape[1]), dtype=dtype, device=a.device)
+    block = torch.zeros((ROWS, inner), dtype=a.dtype, device=a.device)
+    product = torch.empty((ROWS, b.shape[1]), dtype=dtype, device=a.device)
+    for start, stop in _row_blocks(rows):
+        block.zero_()
+        block[: stop - start].copy_(a[start:stop])
+        if out_dtype is None:
+            torch.mm(block, b, out=product)
+        else:
+            torch.ops.aten.mm.dtype_out(block, b, out_dtype, out=product)
+        result[start:stop].copy_(product[: stop - start])
+    return result
+
+
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor):
+    """Batched a @ b in `ROWS`-row blocks per batch element (one `bmm.out` call shape): bmm is
+    already independent of the batch count, not of the row count."""
+    batch, rows, inner = a.shape
+    dtype = torch.result_type(a, b)
+    result = torch.empty((batch, rows, b.shape[2]), dtype=dtype, device=a.device)
+    block = torch.zeros((batch, ROWS, inner), dtype=a.dtype, device=a.device)
+    product = torch.empty((batch, ROWS, b.shape[2]), dtype=dtype, device=a.device)
+    for start, stop in _row_blocks(rows):
+        block.zero_()
+        block[:, : stop - start].copy_(a[:, start:stop])
+        torch.bmm(block, b, out=product)
+        result[:, start:stop].copy_(product[:, : stop - start])
+    return result
+
+
+def _mm(a, b):
+    return invariant_mm(a, b)
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    product = invariant_mm(a, b)
+    if alpha != 1:
+        product = product * alpha
+    return product + (bias if beta == 1 else bias * beta)
+
+
+def _mm_dtype(a, b, out_dtype):
+    return invariant_mm(a, b, out_dtype=out_dtype)
+
+
+def _bmm(a, b):
+    return invariant_bmm(a, b)
+
+
+def enabled() -> bool:
+    """Whether this process runs in the batch-invariant mode (the CPU ops with a batch-dependent
+    fast path take their invariant one)."""
+    return _library is not None
+
+
+def enable_batch_invariant_mode(enable_bmm=True):
+    """Upstream's switch, for a CPU process: the GEMMs above on the CPU dispatch key, and
+    upstream's mode flag set (its layers consult `is_batch_invariant_mode_enabled`)."""
+    global _library
+    from sglang.srt.batch_invariant_ops import batch_invariant_ops
+
+    if batch_invariant_ops.is_batch_invariant_mode_enabled():
+        return
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("aten::mm", _mm, "CPU")
+    library.impl("aten::addmm", _addmm, "CPU")
+    library.impl("aten::mm.dtype", _mm_dtype, "CPU")
+    if enable_bmm:
+        library.impl("aten::bmm", _bmm, "CPU")
+    _library = library
+    batch_invariant_ops._batch_invariant_MODE = True
+
+
+def rms_norm_batch_invariant(input, weight, eps=1e-6):
+    """RMSNorm over the last dimension in fp32, row by row (a row reduction: the same bytes
+    whatever the row count), for upstream's batch-invariant RMSNorm branch on a CPU."""
+    x = input.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(input.dtype)
+
+
+FIX = Fix(
+    id=ID,
+    title="CPU backend: --enable-deterministic-inference for DeepSeek-V4 on --device cpu",
+    area="cpu",
+    why="Upstream's batch-invariant mode needs CUDA, XPU or NPU kernels and refuses the dsv4 "
+        "backend; on a CPU the fp32 GEMMs change a row's bytes with the row count.",
+    how="The dsv4 backend named in upstream's deterministic choice lists; the mode's switch "
+        "registers row-blocked GEMMs for the CPU dispatch key; RMSNorm's invariant branch in torch.",
+    upstream="not for upstream: development and tests only",
+    remove_when="never: it is how a batch-invariant DeepSeek-V4 is served without a GPU",
+    targets=(f"{MODULE}.enable_batch_invariant_mode", f"{LAYERNORM}.rms_norm_batch_invariant"),
+    replaces=(
+        Replace(f"{MODULE}.enable_batch_invariant_mode", enable_batch_invariant_mode,
+                "(enable_bmm=True)"),
+        Replace(f"{LAYERNORM}.rms_norm_batch_invariant", rms_norm_batch_invariant,
+                "(input, weight, eps=1e-06)"),
+    ),
+)

@@ -1,0 +1,158 @@
+"""The CPU backend's batch-invariant mode (`--enable-deterministic-inference` on `--device cpu`).
+
+The premise is measured here, not assumed: on this CPU an fp32 GEMM row changes with the call's
+row count (so a test that compares the mode's GEMM with plain torch is one that can fail). The
+launcher check runs upstream's own argument resolution on the tiny DeepSeek-V4 in a process of
+its own (the choice lists it extends are process-wide).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from sglang_dsv4.cpu_backend import batch_invariant, sparse_attention
+
+torch.set_num_threads(1)  # the backend's default: one intra-op thread
+
+
+@pytest.fixture()
+def mode():
+    """The mode on (upstream's switch as this backend replaces it), off again afterwards."""
+    from sglang.srt.batch_invariant_ops import batch_invariant_ops
+
+    batch_invariant.enable_batch_invariant_mode()
+    yield
+    batch_invariant._library._destroy()
+    batch_invariant._library = None
+    batch_invariant_ops._batch_invariant_MODE = False
+
+
+def test_plain_fp32_gemm_rows_depend_on_the_row_count():
+    a, w = torch.randn(64, 256), torch.randn(512, 256)
+    alone = torch.nn.functional.linear(a[:1], w)[0]
+    assert any(not torch.equal(torch.nn.functional.linear(a[:m], w)[0], alone)
+               for m in (2, 4, 17, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_the_mode_a_rows_product_is_the_same_whatever_is_batched_with_it(mode, dtype):
+    a, w, bias = torch.randn(300, 256, dtype=dtype), torch.randn(96, 256, dtype=dtype), \
+        torch.randn(96, dtype=dtype)
+    alone = torch.nn.functional.linear(a[5:6], w, bias)[0]
+    for start, stop in ((0, 17), (3, 300), (5, 6), (5, 21)):
+        rows = torch.nn.functional.linear(a[start:stop], w, bias)
+        assert torch.equal(rows[5 - start], alone), (start, stop)
+    x, y = torch.randn(4, 50, 64, dtype=dtype), torch.randn(4, 64, 40, dtype=dtype)
+    assert torch.equal(torch.bmm(x[:, 7:8], y)[:, 0], torch.bmm(x, y)[:, 7])
+    # the same numbers as torch's product, within rounding
+    torch.testing.assert_close(torch.nn.functional.linear(a, w, bias),
+                               (a.double() @ w.double().T + bias.double()).to(dtype),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_the_rms_norm_branch_is_row_invariant_and_an_rms_norm():
+    x, weight = torch.randn(40, 128, dtype=torch.bfloat16), torch.randn(128)
+    out = batch_invariant.rms_norm_batch_invariant(x, weight, 1e-6)
+    assert torch.equal(batch_invariant.rms_norm_batch_invariant(x[3:4], weight, 1e-6)[0], out[3])
+    reference = x.float() / x.float().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * weight
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+
+
+def _shared_rows_batch(tokens=30, heads=8, dim=576, topk=40, rows=200):
+    table = torch.randn(rows, dim)
+    q = torch.randn(tokens, heads, dim)
+    pos = torch.stack([torch.randperm(rows)[:topk] for _ in range(tokens)])
+    pos[:, :20] = torch.arange(20)  # a window every token shares, as in a prefill
+    mask = torch.zeros(tokens, topk, dtype=torch.bool)
+    mask[:, 35:] = True
+    return table, q, pos, mask
+
+
+def _attend(table, q, pos, mask):
+    """sparse_mla's chunk step (`_attend_shared` when the chunk's tokens share most rows)."""
+    heads, idle, sink = torch.arange(q.shape[1]), torch.tensor([], dtype=torch.long), None
+    used, local = sparse_attention.distinct(pos, table.shape[0])
+    if used.numel() * 2 <= local.numel() and not batch_invariant.enabled():
+        return sparse_attention._attend_shared(q, table[used], local, mask, heads, idle, sink,
+                                               512, 0.1)[0]
+    return sparse_attention._attend_gathered(q, table[pos], mask, heads, idle, sink, 512, 0.1)[0]
+
+
+def test_shared_row_attention_depends_on_the_batch_outside_the_mode():
+    table, q, pos, mask = _shared_rows_batch()
+    assert not torch.equal(_attend(table, q, pos, mask)[0],
+                           _attend(table, q[:1], pos[:1], mask[:1])[0])
+
+
+def test_in_the_mode_each_token_attends_alone(mode):
+    table, q, pos, mask = _shared_rows_batch()
+    together = _attend(table, q, pos, mask)
+    for t in (0, 7, 29):
+        assert torch.equal(_attend(table, q[t:t + 1], pos[t:t + 1], mask[t:t + 1])[0],
+                           together[t])
+
+
+def test_index_scores_in_the_mode_do_not_depend_on_the_batch(mode):
+    pages, block, heads, dim = 6, 64, 4, 128
+    keys = torch.randn(pages * block, dim)
+    query, weight = torch.randn(5, heads, dim), torch.rand(5, heads)
+    local = torch.tensor([[0, 1, 2], [0, 1, 3], [0, 4, 5], [2, 3, 4], [5, 0, 1]])
+    together = sparse_attention._paged_scores(query, weight, keys, None, local, block,
+                                              round_bf16=True, chunk_values=1 << 24)
+    for row in range(5):
+        alone = sparse_attention._paged_scores(query[row:row + 1], weight[row:row + 1], keys,
+                                               None, local[row:row + 1], block,
+                                               round_bf16=True, chunk_values=1 << 24)
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_the_launcher_accepts_the_flag_for_dsv4_on_the_cpu_and_keeps_the_radix_cache(tmp_path):
+    from sglang_dsv4.tiny_model import write
+
+    model = write(tmp_path / "tiny", seed=0)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.argv = ["launch_server", "--model-path", {str(model)!r}, "--device", "cpu",
+                    "--enable-deterministic-inference"]
+        from sglang.srt.arg_groups.overrides import resolving_view
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import prepare_server_args
+        load_plugins()  # as launch_server does, before it parses
+        args = prepare_server_args(sys.argv[1:])
+        args.resolve_once()  # upstream's resolution (run_server's first step)
+        view = resolving_view(args)
+        print("RESOLVED", view.attention_backend, view.disable_radix_cache,
+              view.sampling_backend)
+    """)
+    # The backend decides from this command line (a parent's recorded decision removed).
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_DSV4_CPU_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESOLVED dsv4 False pytorch" in done.stdout, done.stdout[-2000:]
+
+
+def test_without_the_cpu_backend_upstream_still_refuses_dsv4(tmp_path):
+    """The control: the same resolution with the backend off (SGLANG_DSV4_CPU_BACKEND=0) meets
+    upstream's refusal, so the test above can fail."""
+    from sglang_dsv4.tiny_model import write
+
+    model = write(tmp_path / "tiny", seed=0)
+    script = textwrap.dedent(f"""
+        import sys
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import prepare_server_args
+        load_plugins()
+        args = prepare_server_args(["--model-path", {str(model)!r}, "--device", "cpu",
+                                    "--enable-deterministic-inference"])
+        args.resolve_once()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "SGLANG_DSV4_CPU_BACKEND": "0"})
+    assert done.returncode != 0
+    assert "attention backends are supported for deterministic inference" in done.stderr
