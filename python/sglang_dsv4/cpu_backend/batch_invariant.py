@@ -58,21 +58,18 @@ def _row_blocks(rows: int):
         yield start, min(start + ROWS, rows)
 
 
-def invariant_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None):
+def invariant_mm(a: torch.Tensor, b: torch.Tensor):
     """a @ b, each `ROWS`-row block of `a` padded and multiplied by one `mm.out` call of the same
     shape: row i of the result is a function of a[i] and b alone."""
     rows, inner = a.shape
-    dtype = out_dtype or torch.result_type(a, b)
+    dtype = torch.result_type(a, b)
     result = torch.empty((rows, b.shape[1]), dtype=dtype, device=a.device)
     block = torch.zeros((ROWS, inner), dtype=a.dtype, device=a.device)
     product = torch.empty((ROWS, b.shape[1]), dtype=dtype, device=a.device)
     for start, stop in _row_blocks(rows):
         block.zero_()
         block[: stop - start].copy_(a[start:stop])
-        if out_dtype is None:
-            torch.mm(block, b, out=product)
-        else:
-            torch.ops.aten.mm.dtype_out(block, b, out_dtype, out=product)
+        torch.mm(block, b, out=product)
         result[start:stop].copy_(product[: stop - start])
     return result
 
@@ -93,23 +90,11 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor):
     return result
 
 
-def _mm(a, b):
-    return invariant_mm(a, b)
-
-
 def _addmm(bias, a, b, *, beta=1, alpha=1):
     product = invariant_mm(a, b)
     if alpha != 1:
         product = product * alpha
     return product + (bias if beta == 1 else bias * beta)
-
-
-def _mm_dtype(a, b, out_dtype):
-    return invariant_mm(a, b, out_dtype=out_dtype)
-
-
-def _bmm(a, b):
-    return invariant_bmm(a, b)
 
 
 def enabled() -> bool:
@@ -127,11 +112,11 @@ def enable_batch_invariant_mode(enable_bmm=True):
     if batch_invariant_ops.is_batch_invariant_mode_enabled():
         return
     library = torch.library.Library("aten", "IMPL")
-    library.impl("aten::mm", _mm, "CPU")
+    library.impl("aten::mm", invariant_mm, "CPU")
     library.impl("aten::addmm", _addmm, "CPU")
-    library.impl("aten::mm.dtype", _mm_dtype, "CPU")
+    # (aten::mm.dtype has no CPU kernel in torch: nothing to make invariant there.)
     if enable_bmm:
-        library.impl("aten::bmm", _bmm, "CPU")
+        library.impl("aten::bmm", invariant_bmm, "CPU")
     _library = library
     batch_invariant_ops._batch_invariant_MODE = True
 
