@@ -53,41 +53,34 @@ def allow_dsv4_deterministic() -> None:
         choices.add_radix_supported_deterministic_attention_backend_choices([ATTENTION_BACKEND])
 
 
-def _row_blocks(rows: int):
+def _row_blocked(a: torch.Tensor, b: torch.Tensor, multiply) -> torch.Tensor:
+    """a @ b over the last two dimensions, each `ROWS`-row block of `a` zero-padded to `ROWS` rows
+    and multiplied by one `multiply(block, b, out=...)` call of the same shape (`mm.out` or
+    `bmm.out`, which the mode leaves as they are): a row of the result is a function of that row
+    of `a` and of `b` alone."""
+    *lead, rows, inner = a.shape
+    dtype = torch.result_type(a, b)
+    result = torch.empty((*lead, rows, b.shape[-1]), dtype=dtype, device=a.device)
+    block = torch.zeros((*lead, ROWS, inner), dtype=a.dtype, device=a.device)
+    product = torch.empty((*lead, ROWS, b.shape[-1]), dtype=dtype, device=a.device)
     for start in range(0, rows, ROWS):
-        yield start, min(start + ROWS, rows)
-
-
-def invariant_mm(a: torch.Tensor, b: torch.Tensor):
-    """a @ b, each `ROWS`-row block of `a` padded and multiplied by one `mm.out` call of the same
-    shape: row i of the result is a function of a[i] and b alone."""
-    rows, inner = a.shape
-    dtype = torch.result_type(a, b)
-    result = torch.empty((rows, b.shape[1]), dtype=dtype, device=a.device)
-    block = torch.zeros((ROWS, inner), dtype=a.dtype, device=a.device)
-    product = torch.empty((ROWS, b.shape[1]), dtype=dtype, device=a.device)
-    for start, stop in _row_blocks(rows):
+        count = min(ROWS, rows - start)
         block.zero_()
-        block[: stop - start].copy_(a[start:stop])
-        torch.mm(block, b, out=product)
-        result[start:stop].copy_(product[: stop - start])
+        block[..., :count, :].copy_(a[..., start:start + count, :])
+        multiply(block, b, out=product)
+        result[..., start:start + count, :].copy_(product[..., :count, :])
     return result
 
 
-def invariant_bmm(a: torch.Tensor, b: torch.Tensor):
-    """Batched a @ b in `ROWS`-row blocks per batch element (one `bmm.out` call shape): bmm is
-    already independent of the batch count, not of the row count."""
-    batch, rows, inner = a.shape
-    dtype = torch.result_type(a, b)
-    result = torch.empty((batch, rows, b.shape[2]), dtype=dtype, device=a.device)
-    block = torch.zeros((batch, ROWS, inner), dtype=a.dtype, device=a.device)
-    product = torch.empty((batch, ROWS, b.shape[2]), dtype=dtype, device=a.device)
-    for start, stop in _row_blocks(rows):
-        block.zero_()
-        block[:, : stop - start].copy_(a[:, start:stop])
-        torch.bmm(block, b, out=product)
-        result[:, start:stop].copy_(product[:, : stop - start])
-    return result
+def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`aten::mm` on the CPU in the mode."""
+    return _row_blocked(a, b, torch.mm)
+
+
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`aten::bmm` on the CPU in the mode: bmm is already independent of the batch count, not
+    of the row count."""
+    return _row_blocked(a, b, torch.bmm)
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
@@ -99,8 +92,10 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 
 def enabled() -> bool:
     """Whether this process runs in the batch-invariant mode (the CPU ops with a batch-dependent
-    fast path take their invariant one)."""
-    return _library is not None
+    fast path take their invariant one): upstream's own flag, which the switch below sets."""
+    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
+
+    return is_batch_invariant_mode_enabled()
 
 
 def enable_batch_invariant_mode(enable_bmm=True):
