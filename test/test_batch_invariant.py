@@ -39,6 +39,33 @@ def test_plain_fp32_gemm_rows_depend_on_the_row_count():
                for m in (2, 4, 17, 64))
 
 
+def test_plain_fp32_gemm_with_few_columns_depends_on_the_rows_place_and_the_column_count():
+    """Below 12 output columns (a hyper-connection or routing head) an fp32 product's row changes
+    with its place in the call at a fixed row count, and its columns with the column count."""
+    block, b, x = torch.randn(16, 256), torch.randn(256, 24), torch.randn(256)
+    rows = []
+    for place in range(16):
+        placed = block.clone()
+        placed[place] = x
+        rows.append(torch.mm(placed, b[:, :7].contiguous())[place])
+    assert any(not torch.equal(row, rows[0]) for row in rows)
+    assert not torch.equal(torch.mm(block, b[:, :7].contiguous()), torch.mm(block, b)[:, :7])
+
+
+@pytest.mark.parametrize("columns", [4, 7, 11, 24])
+def test_in_the_mode_a_narrow_products_row_is_the_same_in_every_place(mode, columns):
+    a, b = torch.randn(40, 256), torch.randn(256, 24)
+    narrow = b[:, :columns].contiguous()
+    alone = torch.mm(a[9:10], narrow)[0]
+    for start, stop in ((0, 40), (1, 17), (8, 12), (9, 10), (2, 30)):
+        assert torch.equal(torch.mm(a[start:stop], narrow)[9 - start], alone), (start, stop)
+        assert torch.equal(torch.nn.functional.linear(a[start:stop], narrow.T)[9 - start],
+                           alone), (start, stop)
+    assert torch.equal(torch.mm(a, narrow), torch.mm(a, b)[:, :columns])
+    torch.testing.assert_close(torch.mm(a, narrow), (a.double() @ narrow.double()).float(),
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_the_mode_a_rows_product_is_the_same_whatever_is_batched_with_it(mode, dtype):
     a, w, bias = torch.randn(300, 256, dtype=dtype), torch.randn(96, 256, dtype=dtype), \
@@ -149,3 +176,35 @@ def test_the_launcher_accepts_the_flag_for_dsv4_on_the_cpu_and_keeps_the_radix_c
     assert "UPSTREAM Currently only" in done.stdout, done.stdout[-2000:]
     assert "but you explicitly specified 'dsv4'" in done.stdout
     assert "RESOLVED dsv4 False pytorch" in done.stdout, done.stdout[-2000:]
+
+
+def _padded(row: torch.Tensor, width: int) -> torch.Tensor:
+    """A row of index scores as the DSA top-k sees it in a batch: -inf past its sequence, up to
+    the batch's longest."""
+    out = torch.full((1, width), float("-inf"))
+    out[0, :row.numel()] = row
+    return out
+
+
+def test_plain_top_k_order_depends_on_the_rows_width():
+    row = torch.randn(700)
+    alone = torch.topk(_padded(row, 700), 512, dim=1, sorted=False).indices
+    wider = [torch.topk(_padded(row, w), 512, dim=1, sorted=False).indices for w in (800, 3000)]
+    assert all(torch.equal(w.sort().values, alone.sort().values) for w in wider)  # the same set
+    assert any(not torch.equal(w, alone) for w in wider)  # in another order
+
+
+def test_in_the_mode_top_k_is_a_function_of_the_row_with_ties_to_the_lower_index(mode):
+    row = torch.randn(700)
+    row[100:110] = row[5]  # ties
+    alone = torch.topk(_padded(row, 700), 512, dim=1, sorted=False)
+    for width in (701, 800, 1024, 3000):
+        wide = torch.topk(_padded(row, width), 512, dim=1, sorted=False)
+        assert torch.equal(wide.indices, alone.indices), width
+        assert torch.equal(wide.values, alone.values), width
+    expected = sorted(range(700), key=lambda i: (-row[i].item(), i))[:512]
+    assert alone.indices[0].tolist() == expected
+    # largest=False and another dimension take the same rule
+    grid = torch.randn(6, 40)
+    low = torch.topk(grid, 5, dim=0, largest=False)
+    assert torch.equal(low.values, grid.sort(dim=0).values[:5])
