@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 from sglang_dsv4.cpu_backend import batch_invariant, sparse_attention
+from support.v4_pages import v4_cache
 
 torch.set_num_threads(1)  # the backend's default: one intra-op thread
 
@@ -208,3 +209,59 @@ def test_in_the_mode_top_k_is_a_function_of_the_row_with_ties_to_the_lower_index
     grid = torch.randn(6, 40)
     low = torch.topk(grid, 5, dim=0, largest=False)
     assert torch.equal(low.values, grid.sort(dim=0).values[:5])
+
+
+def _sparse_mla_alone_and_batched():
+    """sparse_mla (the CPU sm_120 path) for a decode token alone, its lists as wide as its own
+    sequence, and in a batch whose longest sequence widens every token's compressed-row list
+    (a c128 layer's), padded to 64 heads: (alone, the same token in the batch), out and lse."""
+    gen = torch.Generator().manual_seed(5)
+    window, compressed = v4_cache(6, 64, 384, 1), v4_cache(3, 64, 160, 2)
+    tokens, heads, real = 4, 64, 8
+    q = torch.zeros(tokens, 1, heads, 576, dtype=torch.bfloat16)
+    q[:, :, :real] = torch.randn(tokens, 1, real, 576, generator=gen).bfloat16()
+    idx = torch.randint(0, 384, (tokens, 1, 128), generator=gen, dtype=torch.int32)
+    lengths = torch.tensor([128, 128, 90, 128], dtype=torch.int32)
+    extra = torch.randint(0, 160, (tokens, 1, 150), generator=gen, dtype=torch.int32)
+    extra_lengths = torch.tensor([21, 150, 64, 7], dtype=torch.int32)
+    sink = torch.randn(heads, generator=gen)
+    common = (sink, 512, 0.06)
+    alone = sparse_attention.sparse_mla(q[:1], window, idx[:1], lengths[:1], *common,
+                                        compressed, extra[:1, :, :21], extra_lengths[:1])
+    batched = sparse_attention.sparse_mla(q, window, idx, lengths, *common, compressed, extra,
+                                          extra_lengths)
+    return (alone[0][0], alone[1][0]), (batched[0][0], batched[1][0])
+
+
+def test_plain_sparse_mla_depends_on_the_widest_list_in_the_batch():
+    (alone, alone_lse), (batched, batched_lse) = _sparse_mla_alone_and_batched()
+    assert not (torch.equal(alone, batched) and torch.equal(alone_lse, batched_lse))
+    torch.testing.assert_close(alone_lse, batched_lse)  # rounding, not a bug
+
+
+def test_in_the_mode_sparse_mla_attends_each_token_over_its_own_rows(mode):
+    (alone, alone_lse), (batched, batched_lse) = _sparse_mla_alone_and_batched()
+    assert torch.equal(alone, batched)
+    assert torch.equal(alone_lse, batched_lse)
+
+
+def test_in_the_mode_sparse_mla_is_upstreams_attention(mode):
+    """The mode's path computes what upstream's torch sparse MLA (`_sm120_sparse_decode_fwd`)
+    does, within rounding: moving each token's valid rows to the front changes no result."""
+    from sglang.kernels.ops.attention.flash_mla_sm120 import _sm120_sparse_decode_fwd
+
+    gen = torch.Generator().manual_seed(6)
+    window, compressed = v4_cache(6, 64, 384, 1), v4_cache(3, 64, 160, 2)
+    q = torch.zeros(5, 1, 64, 576, dtype=torch.bfloat16)
+    q[:, :, :8] = torch.randn(5, 1, 8, 576, generator=gen).bfloat16()
+    idx = torch.randint(-1, 384, (5, 1, 128), generator=gen, dtype=torch.int32)
+    extra = torch.randint(-1, 160, (5, 1, 150), generator=gen, dtype=torch.int32)
+    extra[2] = -1
+    args = (q, window, idx, torch.tensor([128, 3, 90, 128, 1], dtype=torch.int32),
+            torch.randn(64, generator=gen), 512, 0.06, compressed, extra,
+            torch.tensor([21, 150, 0, 7, 150], dtype=torch.int32))
+    out, lse = sparse_attention.sparse_mla(*args)
+    want_out, want_lse = _sm120_sparse_decode_fwd(*args)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(lse.isinf(), want_lse.isinf())
+    torch.testing.assert_close(lse.nan_to_num(0, 0, 0), want_lse.nan_to_num(0, 0, 0))

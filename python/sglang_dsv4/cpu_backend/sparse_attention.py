@@ -125,16 +125,19 @@ def sparse_mla(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_
     sink = attn_sink.float() if attn_sink is not None else None
     out = torch.zeros(tokens, h, head_dim_v)
     lse = torch.full((tokens, h), float("-inf"))
+    if batch_invariant.enabled():
+        _attend_each_alone(qf, table, pos, valid, heads, idle, sink, head_dim_v, softmax_scale,
+                           chunk_entries, out, lse)
+        return (out.view(b, s, h, head_dim_v).to(torch.bfloat16),
+                lse.view(b, s, h).permute(0, 2, 1))
     step = max(1, int(chunk_entries) // max(1, topk))
     for start in range(0, tokens, step):
         rows = slice(start, min(tokens, start + step))
         mask = ~valid[rows]
         rows_used, local = distinct(pos[rows], table.shape[0])
-        if rows_used.numel() * 2 <= local.numel() and not batch_invariant.enabled():
+        if rows_used.numel() * 2 <= local.numel():
             # the chunk's tokens share most of their rows (a prefill's window, the compressed
-            # rows): scores against each distinct row once, read back per index. Not in the
-            # batch-invariant mode: which rows a chunk shares, and so each sum's order, depends
-            # on what else is in the chunk; the gathered path attends token by token.
+            # rows): scores against each distinct row once, read back per index.
             part_out, part_lse = _attend_shared(qf[rows], table[rows_used], local, mask, heads,
                                                 idle, sink, head_dim_v, softmax_scale)
         else:
@@ -144,6 +147,39 @@ def sparse_mla(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_
         lse[rows] = part_lse
     return (out.view(b, s, h, head_dim_v).to(torch.bfloat16),
             lse.view(b, s, h).permute(0, 2, 1))
+
+
+# The batch-invariant mode's attention width: a token's valid rows padded to a multiple of this.
+INVARIANT_WIDTH_STEP = 64
+
+
+def _attend_each_alone(qf, table, pos, valid, heads, idle, sink, head_dim_v, scale,
+                       chunk_entries, out, lse):
+    """sparse_mla in the batch-invariant mode: each token's result a function of its own query
+    and rows. The index lists are as wide as the batch's longest (the c128 rows, a prefill's
+    causal windows), and a softmax or product over a row padded with masked entries rounds
+    differently from the same row unpadded; so each token's valid rows are moved to the front
+    in their order and attended over its own width (their count rounded up to
+    `INVARIANT_WIDTH_STEP`), tokens of one width together, gathered token by token (which rows a
+    chunk of tokens shares depends on the chunk)."""
+    count = valid.sum(dim=1)
+    width = (count + INVARIANT_WIDTH_STEP - 1) // INVARIANT_WIDTH_STEP * INVARIANT_WIDTH_STEP
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid first, in order
+    pos, valid = pos.gather(1, order), valid.gather(1, order)
+    wider = int(width.max()) - pos.shape[1] if pos.numel() else 0
+    if wider > 0:  # past the lists' width: the zero row (the table's last), masked
+        pos = torch.nn.functional.pad(pos, (0, wider), value=table.shape[0] - 1)
+        valid = torch.nn.functional.pad(valid, (0, wider), value=False)
+    for w in torch.unique(width).tolist():
+        if w == 0:
+            continue  # no valid row: 0 and -inf, as initialised
+        group = (width == w).nonzero().squeeze(1)
+        step = max(1, int(chunk_entries) // w)
+        for start in range(0, group.numel(), step):
+            rows = group[start:start + step]
+            out[rows], lse[rows] = _attend_gathered(qf[rows], table[pos[rows, :w]],
+                                                    ~valid[rows, :w], heads, idle, sink,
+                                                    head_dim_v, scale)
 
 
 def _softmax_rows(scores, mask, sink):
