@@ -17,7 +17,11 @@ at every M, but top-k's order is not a function of the row: with `sorted=False` 
 transform's call) the same k positions come back in an order that changes with the row's width,
 which for the indexer is the batch's longest sequence, and the sparse attention sums in that
 order. In the mode `aten::topk` on a CPU tensor is the head of a stable sort (by value, ties to
-the lower index). The mode here makes the GEMMs invariant by construction: every `aten::mm`,
+the lower index). Some elementwise ops (sigmoid, silu, exp2, softplus)
+round an fp32 element differently in the scalar tail of torch's vector loop than in its body, so
+on a tensor of a few columns per token (the router's scores, the hyper-connection weights) a
+token's values change with the batch size; in the mode they run over a tensor padded to whole
+vector iterations (`ELEMENTWISE`). The mode here makes the GEMMs invariant by construction: every `aten::mm`,
 `aten::addmm` and `aten::bmm` on a CPU tensor is computed in blocks of `ROWS` rows, each block
 padded to `ROWS` (and the other operand to at least `COLUMNS` columns) and computed by the same kernel call shape (`mm.out` / `bmm.out`, which the
 mode leaves as they are), so a row's bytes depend only on that row and the other operand, never
@@ -116,6 +120,52 @@ def invariant_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     return values.narrow(dim, 0, k).contiguous(), indices.narrow(dim, 0, k).contiguous()
 
 
+# Elements per padded call of an elementwise op: a whole number of vector iterations on every
+# x86 width (AVX2 and AVX-512, fp32 and bf16), so no element is left to the scalar tail.
+VECTOR_ELEMENTS = 64
+
+
+def _vectorized(out_op, x: torch.Tensor, *args) -> torch.Tensor:
+    """`out_op(x, *args, out=...)` (the op's `.out` kernel, which the mode leaves as it is) over
+    x flattened and zero-padded to a multiple of `VECTOR_ELEMENTS`: torch's CPU kernels compute
+    the last `numel % vector width` elements with scalar code that rounds some transcendental
+    functions differently from the vector code, so an element's bytes would depend on how many
+    elements the tensor has (the batch size, for a tensor of a few columns per token)."""
+    flat = x.reshape(-1)
+    count = flat.numel()
+    padded = torch.zeros(-(-count // VECTOR_ELEMENTS) * VECTOR_ELEMENTS, dtype=x.dtype,
+                         device=x.device)
+    padded[:count].copy_(flat)
+    result = torch.empty_like(padded)
+    out_op(padded, *args, out=result)
+    return result[:count].view(x.shape)
+
+
+def invariant_sigmoid(x):
+    return _vectorized(torch.ops.aten.sigmoid.out, x)
+
+
+def invariant_silu(x):
+    return _vectorized(torch.ops.aten.silu.out, x)
+
+
+def invariant_exp2(x):
+    return _vectorized(torch.ops.aten.exp2.out, x)
+
+
+def invariant_softplus(x, beta=1, threshold=20):
+    return _vectorized(torch.ops.aten.softplus.out, x, beta, threshold)
+
+
+# The elementwise ops measured to round an element by its place (scalar tail or vector body).
+ELEMENTWISE = {
+    "aten::sigmoid": invariant_sigmoid,
+    "aten::silu": invariant_silu,
+    "aten::exp2": invariant_exp2,
+    "aten::softplus": invariant_softplus,
+}
+
+
 def enabled() -> bool:
     """Whether this process runs in the batch-invariant mode (the CPU ops with a batch-dependent
     fast path take their invariant one): upstream's own flag, which the switch below sets."""
@@ -136,6 +186,8 @@ def enable_batch_invariant_mode(enable_bmm=True):
     library.impl("aten::mm", invariant_mm, "CPU")
     library.impl("aten::addmm", _addmm, "CPU")
     library.impl("aten::topk", invariant_topk, "CPU")
+    for name, impl in ELEMENTWISE.items():
+        library.impl(name, impl, "CPU")
     # (aten::mm.dtype has no CPU kernel in torch: nothing to make invariant there.)
     if enable_bmm:
         library.impl("aten::bmm", invariant_bmm, "CPU")
@@ -156,10 +208,12 @@ FIX = Fix(
     title="CPU backend: --enable-deterministic-inference for DeepSeek-V4 on --device cpu",
     area="cpu",
     why="Upstream's batch-invariant mode needs CUDA, XPU or NPU kernels and refuses the dsv4 "
-        "backend; on a CPU the fp32 GEMMs change a row's bytes with the row count, and top-k's "
-        "order changes with the row's width.",
+        "backend; on a CPU the fp32 GEMMs change a row's bytes with the row count, top-k's "
+        "order changes with the row's width, and some elementwise ops round the vector loop's "
+        "scalar tail differently.",
     how="The dsv4 backend named in upstream's deterministic choice lists; the mode's switch "
-        "registers row-blocked GEMMs and a stable-sort top-k for the CPU dispatch key; "
+        "registers row-blocked GEMMs, a stable-sort top-k and tail-free elementwise ops for "
+        "the CPU dispatch key; "
         "RMSNorm's invariant branch in torch.",
     upstream="not for upstream: development and tests only",
     remove_when="never: it is how a batch-invariant DeepSeek-V4 is served without a GPU",
