@@ -5,29 +5,29 @@ log-softmax and RMSNorm kernels for the CUDA, XPU or NPU dispatch key; on a CPU 
 `get_dispatch_device_backend` ("No supported accelerator"), and its choice lists do not name the
 dsv4 attention backend, so upstream refuses DeepSeek-V4 with the flag on any device.
 
-What breaks invariance on this CPU (measured with one intra-op thread, the backend's default):
-an fp32 GEMM's row depends on how many rows the call has (oneDNN/MKL pick a kernel by M: a row
-computed with M=1 differs from the same row with M=2 and again with M>=4; bf16 GEMMs were equal at
-every M tried, and bmm is equal whatever its batch count but not whatever its row count); with
-fewer than 12 output columns (the hyper-connection and routing heads) an fp32 GEMM takes narrow
-kernels in which a row's bytes change with its place among the rows, and a column's with the
-column count. Row
-reductions (sum, mean, softmax, log-softmax, top-k along the last dimension) gave the same row
-at every M, but top-k's order is not a function of the row: with `sorted=False` (the DSA top-k
-transform's call) the same k positions come back in an order that changes with the row's width,
-which for the indexer is the batch's longest sequence, and the sparse attention sums in that
-order. In the mode `aten::topk` on a CPU tensor is the head of a stable sort (by value, ties to
-the lower index). Some elementwise ops (sigmoid, silu, exp2, softplus)
-round an fp32 element differently in the scalar tail of torch's vector loop than in its body, so
-on a tensor of a few columns per token (the router's scores, the hyper-connection weights) a
-token's values change with the batch size; in the mode they run over a tensor padded to whole
-vector iterations (`ELEMENTWISE`). The mode here makes the GEMMs invariant by construction: every `aten::mm`,
-`aten::addmm` and `aten::bmm` on a CPU tensor is computed in blocks of `ROWS` rows, each block
-padded to `ROWS` (and the other operand to at least `COLUMNS` columns) and computed by the same kernel call shape (`mm.out` / `bmm.out`, which the
-mode leaves as they are), so a row's bytes depend only on that row and the other operand, never
-on how many rows were batched or chunked with it. The bias of `addmm` is added after the
-product, row by row. RMSNorm's batch-invariant branch takes a torch RMSNorm instead of upstream's
-Triton kernel (interpreted on a CPU).
+What breaks invariance on this CPU (measured with one intra-op thread, the backend's default),
+and what the mode does about it:
+
+- fp32 GEMMs: a row's bytes depend on how many rows the call has (oneDNN/MKL pick a kernel by
+  M: M=1, M=2-3 and M>=4 differ), and below 12 output columns (the hyper-connection and routing
+  heads) on its place among the rows, a column's on the column count. Every `aten::mm`,
+  `aten::addmm` and `aten::bmm` on a CPU tensor is computed in blocks of `ROWS` rows, each block
+  padded to `ROWS`, the other operand to at least `COLUMNS` columns, by one call shape of
+  `mm.out` / `bmm.out` (which the mode leaves as they are); the bias of `addmm` is added after.
+- top-k: with `sorted=False` (the DSA top-k transform's call) the same k positions come back in
+  an order that changes with the row's width, for the indexer the batch's longest sequence, and
+  the sparse attention sums in that order. `aten::topk` is the head of a stable sort (by value,
+  ties to the lower index).
+- sigmoid, silu, exp2, softplus: torch's vector loop computes its last `numel % width` elements
+  in scalar code that rounds these fp32 functions differently, so on a tensor of a few columns
+  per token (the router's scores) a token's values change with the batch size. They run over
+  the tensor padded to whole vector iterations (`ELEMENTWISE`).
+- RMSNorm: upstream's batch-invariant branch calls a Triton kernel (interpreted on a CPU); it
+  takes a torch row RMSNorm.
+
+Measured invariant and left alone: bf16 GEMMs, bmm across its batch count, row reductions over
+a fixed width (sum, mean, softmax, log-softmax, logsumexp). The CPU attention's own
+batch-dependent paths are in `sparse_attention` (each asks `enabled()`).
 
 Nothing here changes a server without the flag, or any GPU path: the module is installed only in
 a process where the CPU backend is on, and the aten kernels change only once upstream's
