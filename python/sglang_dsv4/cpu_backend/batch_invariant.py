@@ -36,6 +36,8 @@ ModelRunner turns the mode on (`--enable-deterministic-inference`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sglang_dsv4.fix import Fix, Replace
@@ -141,28 +143,13 @@ def _vectorized(out_op, x: torch.Tensor, *args) -> torch.Tensor:
     return result[:count].view(x.shape)
 
 
-def invariant_sigmoid(x):
-    return _vectorized(torch.ops.aten.sigmoid.out, x)
-
-
-def invariant_silu(x):
-    return _vectorized(torch.ops.aten.silu.out, x)
-
-
-def invariant_exp2(x):
-    return _vectorized(torch.ops.aten.exp2.out, x)
-
-
-def invariant_softplus(x, beta=1, threshold=20):
-    return _vectorized(torch.ops.aten.softplus.out, x, beta, threshold)
-
-
-# The elementwise ops measured to round an element by its place (scalar tail or vector body).
+# The elementwise ops measured to round an element by its place (scalar tail or vector body),
+# each with the `.out` kernel its padded call runs.
 ELEMENTWISE = {
-    "aten::sigmoid": invariant_sigmoid,
-    "aten::silu": invariant_silu,
-    "aten::exp2": invariant_exp2,
-    "aten::softplus": invariant_softplus,
+    "aten::sigmoid": torch.ops.aten.sigmoid.out,
+    "aten::silu": torch.ops.aten.silu.out,
+    "aten::exp2": torch.ops.aten.exp2.out,
+    "aten::softplus": torch.ops.aten.softplus.out,  # (x, beta, threshold)
 }
 
 
@@ -175,8 +162,8 @@ def enabled() -> bool:
 
 
 def enable_batch_invariant_mode(enable_bmm=True):
-    """Upstream's switch, for a CPU process: the GEMMs and top-k above on the CPU dispatch key, and
-    upstream's mode flag set (its layers consult `is_batch_invariant_mode_enabled`)."""
+    """Upstream's switch, for a CPU process: the GEMMs, top-k and elementwise ops above on the CPU
+    dispatch key, and upstream's mode flag set (its layers consult `is_batch_invariant_mode_enabled`)."""
     global _library
     from sglang.srt.batch_invariant_ops import batch_invariant_ops
 
@@ -186,8 +173,8 @@ def enable_batch_invariant_mode(enable_bmm=True):
     library.impl("aten::mm", invariant_mm, "CPU")
     library.impl("aten::addmm", _addmm, "CPU")
     library.impl("aten::topk", invariant_topk, "CPU")
-    for name, impl in ELEMENTWISE.items():
-        library.impl(name, impl, "CPU")
+    for name, out_op in ELEMENTWISE.items():
+        library.impl(name, functools.partial(_vectorized, out_op), "CPU")
     # (aten::mm.dtype has no CPU kernel in torch: nothing to make invariant there.)
     if enable_bmm:
         library.impl("aten::bmm", invariant_bmm, "CPU")

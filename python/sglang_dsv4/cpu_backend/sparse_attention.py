@@ -116,7 +116,6 @@ def sparse_mla(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_
     table = torch.cat(tables + [torch.zeros(1, dim)])
     valid = torch.cat(valids, dim=1)
     pos = torch.where(valid, torch.cat(positions, dim=1), offset)  # invalid: the zero row
-    topk = pos.shape[1]
 
     qf = q.reshape(tokens, h, -1)[..., :dim].float()
     live = (qf != 0).any(dim=-1).any(dim=0)
@@ -125,28 +124,30 @@ def sparse_mla(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_
     sink = attn_sink.float() if attn_sink is not None else None
     out = torch.zeros(tokens, h, head_dim_v)
     lse = torch.full((tokens, h), float("-inf"))
-    if batch_invariant.enabled():
-        _attend_each_alone(qf, table, pos, valid, heads, idle, sink, head_dim_v, softmax_scale,
-                           chunk_entries, out, lse)
-        return (out.view(b, s, h, head_dim_v).to(torch.bfloat16),
-                lse.view(b, s, h).permute(0, 2, 1))
-    step = max(1, int(chunk_entries) // max(1, topk))
+    attend = _attend_each_alone if batch_invariant.enabled() else _attend_by_chunks
+    attend(qf, table, pos, valid, heads, idle, sink, head_dim_v, softmax_scale, chunk_entries,
+           out, lse)
+    return (out.view(b, s, h, head_dim_v).to(torch.bfloat16),
+            lse.view(b, s, h).permute(0, 2, 1))
+
+
+def _attend_by_chunks(qf, table, pos, valid, heads, idle, sink, head_dim_v, scale,
+                      chunk_entries, out, lse):
+    """sparse_mla by chunks of tokens: a chunk whose tokens share most of their rows (a
+    prefill's window, the compressed rows) scores each distinct row once and reads the scores
+    back per index; any other is gathered token by token."""
+    tokens = qf.shape[0]
+    step = max(1, int(chunk_entries) // max(1, pos.shape[1]))
     for start in range(0, tokens, step):
         rows = slice(start, min(tokens, start + step))
         mask = ~valid[rows]
         rows_used, local = distinct(pos[rows], table.shape[0])
         if rows_used.numel() * 2 <= local.numel():
-            # the chunk's tokens share most of their rows (a prefill's window, the compressed
-            # rows): scores against each distinct row once, read back per index.
-            part_out, part_lse = _attend_shared(qf[rows], table[rows_used], local, mask, heads,
-                                                idle, sink, head_dim_v, softmax_scale)
+            out[rows], lse[rows] = _attend_shared(qf[rows], table[rows_used], local, mask, heads,
+                                                  idle, sink, head_dim_v, scale)
         else:
-            part_out, part_lse = _attend_gathered(qf[rows], table[pos[rows]], mask, heads, idle,
-                                                  sink, head_dim_v, softmax_scale)
-        out[rows] = part_out
-        lse[rows] = part_lse
-    return (out.view(b, s, h, head_dim_v).to(torch.bfloat16),
-            lse.view(b, s, h).permute(0, 2, 1))
+            out[rows], lse[rows] = _attend_gathered(qf[rows], table[pos[rows]], mask, heads,
+                                                    idle, sink, head_dim_v, scale)
 
 
 # The batch-invariant mode's attention width: a token's valid rows padded to a multiple of this.
